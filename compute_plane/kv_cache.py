@@ -1,0 +1,50 @@
+"""KV cache memory: per layer one K and one V tensor of shape [num_blocks, block_size, KVH, D]."""
+
+from __future__ import annotations
+
+import torch
+
+from compute_plane.model_config import ModelConfig
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V for every layer, for one block of tokens."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def num_blocks_for_budget(
+    cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int
+) -> int:
+    """How many blocks (null block 0 included) fit in `budget` bytes; at least 2 are needed."""
+    n = budget // bytes_per_block(cfg, block_size, dtype)
+    if n < 2:
+        raise ValueError(
+            f"kv_cache_bytes={budget} holds {n} block(s) of "
+            f"{bytes_per_block(cfg, block_size, dtype)} bytes; at least 2 are needed"
+        )
+    return int(n)
+
+
+class KVCache:
+    """The cache tensors. Block 0 is the null block: never allocated by the control plane."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.layers = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        self.nbytes = sum(k.nbytes + v.nbytes for k, v in self.layers)

@@ -1,0 +1,1 @@
+"""Control plane: tokenizer, scheduler, KV block allocation, detokenization. Pure Python, no torch."""

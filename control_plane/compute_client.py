@@ -1,0 +1,71 @@
+"""The control plane's link to one compute plane: Describe, Reset, and the `Run` stream.
+
+A compute plane is an object the scheduler loop talks to, not a global, so that
+several can sit behind one control plane later.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from hetero_proto import compute_pb2 as pb
+from hetero_proto import compute_pb2_grpc as pb_grpc
+
+
+class ComputeLinkError(ConnectionError):
+    """The compute plane is unreachable or its stream broke."""
+
+
+class StepFailed(RuntimeError):
+    """The compute plane rejected a step (a control-plane bug: steps are built here)."""
+
+    def __init__(self, error: pb.StepError) -> None:
+        super().__init__(f"{error.code}: {error.message}")
+        self.code = error.code
+
+
+class ComputeClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.ComputePlaneStub(self.channel)
+        self._run: grpc.aio.StreamStreamCall | None = None
+        self.description: pb.DescribeResponse | None = None
+
+    async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse:
+        """Describe the compute plane, drop any state it holds, and open the step stream."""
+        try:
+            self.description = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+            await self.stub.Reset(pb.ResetRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise ComputeLinkError(
+                f"compute plane {self.address}: {e.code().name}: {e.details()}"
+            ) from e
+        self._run = self.stub.Run()
+        return self.description
+
+    async def step(self, request: pb.StepRequest) -> pb.StepResult:
+        """Send one step and wait for its result."""
+        assert self._run is not None, "attach() first"
+        try:
+            await self._run.write(request)
+            result = await self._run.read()
+        except grpc.aio.AioRpcError as e:
+            raise ComputeLinkError(
+                f"compute plane {self.address}: {e.code().name}: {e.details()}"
+            ) from e
+        if result is grpc.aio.EOF:
+            raise ComputeLinkError(f"compute plane {self.address} closed the step stream")
+        assert isinstance(result, pb.StepResult)
+        if result.HasField("error"):
+            raise StepFailed(result.error)
+        return result
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self.stub.Stats(pb.StatsRequest(), timeout=10.0)
+
+    async def close(self) -> None:
+        if self._run is not None:
+            self._run.cancel()
+            self._run = None
+        await self.channel.close()

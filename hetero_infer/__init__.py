@@ -1,0 +1,1 @@
+"""Process entry points and small pieces shared by the three planes (no torch here)."""

@@ -1,0 +1,77 @@
+"""Map a config dataclass onto argparse flags and a JSON config file.
+
+Each plane has one config dataclass (one source of defaults). Fields become
+`--field-name` flags (help from `field.metadata["help"]`); `--config FILE` reads a
+JSON object whose keys are field names. Precedence: flags > JSON file > defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _base_type(tp: Any) -> Any:
+    """`int | None` -> int; `bool` -> bool."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def add_dataclass_arguments(
+    parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = ()
+) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        tp = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        elif typing.get_origin(tp) in (list, tuple):
+            (item,) = typing.get_args(tp)[:1]
+            parser.add_argument(
+                flag, dest=f.name, type=item, nargs="+", default=None, help=help_text
+            )
+        else:
+            conv = tp if tp in (int, float, str) else str
+            parser.add_argument(flag, dest=f.name, type=conv, default=None, help=help_text)
+    parser.add_argument("--config", type=Path, default=None, help="JSON file of config fields")
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """Build `cls` from JSON file values, then flags that were given, then overrides."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None) is not None:
+        data = json.loads(Path(args.config).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{args.config}: expected a JSON object of config fields")
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(
+                f"{args.config}: unknown config fields {unknown}; known: {sorted(names)}"
+            )
+        values.update(data)
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    values.update(overrides)
+    return cls(**values)

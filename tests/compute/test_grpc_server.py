@@ -1,0 +1,214 @@
+"""The compute plane as a separate process, driven through its gRPC `Run` stream."""
+
+from __future__ import annotations
+
+import math
+import queue
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hetero_proto import compute_pb2 as pb
+from hetero_proto import compute_pb2_grpc as pb_grpc
+from tests.compute.step_driver import StepDriver
+from tests.conftest import hf_greedy
+from tests.procs import compute_plane
+
+KV_BYTES = 48 << 20
+PROMPTS = [
+    "Once upon a time, in a land far away,",
+    "The quick brown fox",
+    "Here is a short poem about the sea and the wind that blows over the water:",
+    "The capital city of France is well known for its",
+]
+NEW_TOKENS = 32
+
+
+class RunStream:
+    """One `Run` stream: send a step, get its result."""
+
+    def __init__(self, stub: pb_grpc.ComputePlaneStub) -> None:
+        self.queue: queue.Queue[pb.StepRequest | None] = queue.Queue()
+        self.results: Iterator[pb.StepResult] = stub.Run(iter(self.queue.get, None))
+
+    def send(self, step: pb.StepRequest) -> pb.StepResult:
+        self.queue.put(step)
+        result = next(self.results)
+        assert result.step_id == step.step_id
+        return result
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+
+@pytest.fixture(scope="module")
+def channel() -> Iterator[grpc.Channel]:
+    with (
+        compute_plane("--kv-cache-bytes", str(KV_BYTES)) as address,
+        grpc.insecure_channel(address) as ch,
+    ):
+        yield ch
+
+
+@pytest.fixture()
+def stub(channel: grpc.Channel) -> pb_grpc.ComputePlaneStub:
+    s = pb_grpc.ComputePlaneStub(channel)
+    s.Reset(pb.ResetRequest())
+    return s
+
+
+def test_health_and_describe_match_model(stub, channel, hf_smollm2) -> None:  # type: ignore[no-untyped-def]
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    d = stub.Describe(pb.DescribeRequest())
+    c = hf_smollm2.config
+    assert d.architecture == "llama"
+    assert d.num_layers == c.num_hidden_layers == 30
+    assert d.num_attention_heads == c.num_attention_heads
+    assert d.num_kv_heads == c.num_key_value_heads
+    assert d.hidden_size == c.hidden_size
+    assert d.head_dim == c.hidden_size // c.num_attention_heads
+    assert d.vocab_size == c.vocab_size
+    assert list(d.eos_token_ids) == [c.eos_token_id]
+    assert d.block_size == 16 and d.dtype == "float32" and d.device == "cpu"
+    per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * d.head_dim * 4
+    assert d.num_kv_blocks == KV_BYTES // per_block
+    assert d.kv_cache_bytes == d.num_kv_blocks * per_block
+    assert d.max_model_len == min(c.max_position_embeddings, (d.num_kv_blocks - 1) * 16)
+
+
+def _greedy_reference(hf_smollm2, tokenizer) -> dict[str, tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
+    out = {}
+    for i, text in enumerate(PROMPTS):
+        ids = tokenizer(text).input_ids
+        out[f"r{i}"] = (ids, hf_greedy(hf_smollm2, ids, NEW_TOKENS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(hf_smollm2, hf_smollm2_tokenizer):  # type: ignore[no-untyped-def]
+    return _greedy_reference(hf_smollm2, hf_smollm2_tokenizer)
+
+
+def test_four_concurrent_greedy_requests_match_transformers(stub, greedy_reference) -> None:  # type: ignore[no-untyped-def]
+    d = stub.Describe(pb.DescribeRequest())
+    drv = StepDriver(d.num_kv_blocks, d.block_size, seed=7)
+    stream = RunStream(stub)
+    got: dict[str, list[int]] = {rid: [] for rid in greedy_reference}
+
+    def record(result: pb.StepResult) -> None:
+        assert not result.HasField("error"), result.error.message
+        for r in result.results:
+            got[r.request_id].append(r.token_id)
+
+    # r0, r1 arrive first; r2 joins one step later (so prefill and decode mix);
+    # r3's prompt is prefilled in two chunks.
+    (p0, _), (p1, _), (p2, _), (p3, _) = greedy_reference.values()
+    record(stream.send(drv.step(new=[drv.new("r0", p0, len(p0)), drv.new("r1", p1, len(p1))])))
+    record(
+        stream.send(
+            drv.step(
+                new=[drv.new("r2", p2, len(p2)), drv.new("r3", p3, 2)],
+                cont=[drv.cont("r0", 1), drv.cont("r1", 1)],
+            )
+        )
+    )
+    record(
+        stream.send(
+            drv.step(
+                cont=[
+                    drv.cont("r0", 1),
+                    drv.cont("r1", 1),
+                    drv.cont("r2", 1),
+                    drv.cont("r3", len(p3) - 2),
+                ]
+            )
+        )
+    )
+    final_tables: dict[str, list[int]] = {}
+    while any(len(t) < NEW_TOKENS for t in got.values()):
+        live = [rid for rid, t in got.items() if len(t) < NEW_TOKENS]
+        done = [rid for rid, t in got.items() if len(t) == NEW_TOKENS and rid in drv.tables]
+        for rid in done:
+            final_tables[rid] = drv.tables.pop(rid)
+        record(stream.send(drv.step(cont=[drv.cont(rid, 1) for rid in live], finished=done)))
+    stream.close()
+    # Blocks of different requests interleave in the pool: no table is one contiguous run.
+    for rid, table in final_tables.items():
+        assert len(table) > 1 and table != list(range(table[0], table[0] + len(table))), (
+            rid,
+            table,
+        )
+    for rid, (_, expected) in greedy_reference.items():
+        assert got[rid][:NEW_TOKENS] == expected, rid
+
+
+def test_malformed_steps_are_rejected_and_others_go_on(stub, greedy_reference) -> None:  # type: ignore[no-untyped-def]
+    d = stub.Describe(pb.DescribeRequest())
+    drv = StepDriver(d.num_kv_blocks, d.block_size, seed=11)
+    stream = RunStream(stub)
+    prompt, expected = greedy_reference["r0"]
+    tokens: list[int] = []
+
+    def ok(step: pb.StepRequest) -> None:
+        res = stream.send(step)
+        assert not res.HasField("error"), res.error.message
+        tokens.extend(r.token_id for r in res.results)
+
+    ok(drv.step(new=[drv.new("good", prompt, len(prompt))]))
+    bad_cases = {
+        "unknown request id 'ghost'": pb.StepRequest(
+            continuing=[pb.ContinuingRequest(request_id="ghost", num_scheduled_tokens=1)]
+        ),
+        f"block id {d.num_kv_blocks} out of range": pb.StepRequest(
+            new_requests=[
+                pb.NewRequest(
+                    request_id="x",
+                    token_ids=[1, 2, 3],
+                    num_prompt_tokens=3,
+                    num_scheduled_tokens=3,
+                    block_ids=[d.num_kv_blocks],
+                )
+            ]
+        ),
+        "do not fit in 1 blocks": pb.StepRequest(
+            new_requests=[
+                pb.NewRequest(
+                    request_id="y",
+                    token_ids=list(range(3, 3 + d.block_size + 1)),
+                    num_prompt_tokens=d.block_size + 1,
+                    num_scheduled_tokens=d.block_size + 1,
+                    block_ids=[5],
+                )
+            ]
+        ),
+        "temperature": pb.StepRequest(
+            new_requests=[
+                pb.NewRequest(
+                    request_id="z",
+                    token_ids=[5, 6],
+                    num_prompt_tokens=2,
+                    num_scheduled_tokens=2,
+                    block_ids=[6],
+                    sampling=pb.SamplingParams(temperature=math.nan),
+                )
+            ]
+        ),
+    }
+    for i, (needle, bad) in enumerate(bad_cases.items()):
+        ok(drv.step(cont=[drv.cont("good", 1)]))
+        bad.step_id = 10_000 + i
+        # A valid request in the same step is not run either: the step is rejected whole.
+        bad.continuing.append(pb.ContinuingRequest(request_id="good", num_scheduled_tokens=1))
+        res = stream.send(bad)
+        assert res.error.code == "INVALID_ARGUMENT"
+        assert needle in res.error.message, res.error.message
+        assert len(res.results) == 0
+    while len(tokens) < NEW_TOKENS:
+        ok(drv.step(cont=[drv.cont("good", 1)]))
+    stream.close()
+    assert tokens == expected
+    stats = stub.Stats(pb.StatsRequest())
+    assert stats.num_active_requests == 1

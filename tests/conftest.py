@@ -1,0 +1,90 @@
+"""Shared fixtures: the bundled model, its independent HF reference, tiny random HF models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hetero_infer.model_path import bundled_gguf
+
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return bundled_gguf()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: Path):  # type: ignore[no-untyped-def]
+    """transformers' own GGUF loader: an independent dequantisation of the bundled model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def make_tiny_model(arch: str, out: Path, *, seed: int = 0, **overrides: object):  # type: ignore[no-untyped-def]
+    """A randomly initialised HF model of `arch`, saved as safetensors in `out`; returns it."""
+    import torch
+    import transformers
+
+    common: dict[str, object] = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    common.update(overrides)
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    torch.manual_seed(seed)
+    model = cls[1](cls[0](**common)).eval()
+    # HF initialises biases to 0 and norm weights to 1; perturb them so they matter.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path: Path):  # type: ignore[no-untyped-def]
+    """transformers' GGUF tokenizer (splits digits differently from the model: use digit-free text)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers' greedy `generate`, EOS ignored so exactly max_new_tokens come back."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]

@@ -1,0 +1,35 @@
+"""The committed stubs in hetero_proto/ are exactly what protos/generate.py produces."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_generated_stubs_are_fresh(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("generate", REPO / "protos" / "generate.py")
+    assert spec and spec.loader
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    generate.generate(tmp_path)
+    fresh = sorted(p.name for p in (tmp_path / "hetero_proto").iterdir())
+    assert fresh, "protoc produced nothing"
+    committed = sorted(p.name for p in (REPO / "hetero_proto").glob("*_pb2*"))
+    assert fresh == committed
+    for name in fresh:
+        assert (tmp_path / "hetero_proto" / name).read_text() == (
+            REPO / "hetero_proto" / name
+        ).read_text(), f"hetero_proto/{name} is stale: run `python protos/generate.py`"
+
+
+def test_services_are_declared() -> None:
+    from hetero_proto import compute_pb2, control_pb2
+
+    compute = compute_pb2.DESCRIPTOR.services_by_name["ComputePlane"]
+    assert {m.name for m in compute.methods} == {"Describe", "Run", "Reset", "Stats"}
+    run = compute.methods_by_name["Run"]
+    assert run.client_streaming and run.server_streaming
+    control = control_pb2.DESCRIPTOR.services_by_name["ControlPlane"]
+    assert {m.name for m in control.methods} == {"Generate", "Tokenize", "Detokenize", "ModelInfo"}
