@@ -13,73 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hetero_proto import compute_pb2 as pb
-
-MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Torch-free mirror of compute.proto SamplingParams."""
-
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    @classmethod
-    def from_proto(cls, p: pb.SamplingParams) -> SamplingSpec:
-        """proto3 zero defaults mean "off": top_p 0 -> 1, repetition_penalty 0 -> 1."""
-        return cls(
-            temperature=p.temperature,
-            top_p=p.top_p or 1.0,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            seed=p.seed if p.HasField("seed") else None,
-            repetition_penalty=p.repetition_penalty or 1.0,
-            frequency_penalty=p.frequency_penalty,
-            presence_penalty=p.presence_penalty,
-            logprobs=p.logprobs,
-            top_logprobs=p.top_logprobs,
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    @property
-    def penalised(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or bool(self.frequency_penalty)
-            or bool(self.presence_penalty)
-        )
-
-    def validate(self) -> str | None:
-        """A message naming the first bad field, or None."""
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            return f"temperature must be a finite number >= 0, got {self.temperature}"
-        if not (0.0 < self.top_p <= 1.0):
-            return f"top_p must be in (0, 1], got {self.top_p}"
-        if self.top_k < 0:
-            return f"top_k must be >= 0 (0 = off), got {self.top_k}"
-        if not (0.0 <= self.min_p <= 1.0):
-            return f"min_p must be in [0, 1], got {self.min_p}"
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            return f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
-                return f"{name} must be in [-2, 2], got {v}"
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            return f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
-        return None
+from compute_plane.sampling_params import SamplingSpec
 
 
 @dataclass

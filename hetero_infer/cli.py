@@ -18,8 +18,48 @@ def _compute_plane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _control_plane(args: argparse.Namespace) -> int:
+    from control_plane.config import ControlConfig
+    from control_plane.server import serve
+
+    asyncio.run(serve(config_from_args(ControlConfig, args)))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """Start both planes locally, stream one completion to stdout, stop them."""
+    import grpc
+
+    from hetero_infer.local import local_planes
+    from hetero_proto import control_pb2 as pb
+    from hetero_proto import control_pb2_grpc as pb_grpc
+
+    params = pb.GenerationParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, skip_special_tokens=True
+    )
+    if args.seed is not None:
+        params.seed = args.seed
+    request = pb.GenerateRequest(params=params)
+    if args.chat:
+        request.chat.messages.add(role="user", content=args.prompt)
+        request.chat.add_generation_prompt = True
+    else:
+        request.text = args.prompt
+    with (
+        local_planes(args.model, quiet=not args.verbose) as control,
+        grpc.insecure_channel(control) as ch,
+    ):
+        for resp in pb_grpc.ControlPlaneStub(ch).Generate(request):
+            for choice in resp.choices:
+                sys.stdout.write(choice.text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from compute_plane.config import ComputeConfig
+    from control_plane.config import ControlConfig
 
     parser = argparse.ArgumentParser(prog="hetero-infer", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -28,6 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compute-plane", help="serve the model over compute.proto (gRPC)")
     add_dataclass_arguments(p, ComputeConfig)
     p.set_defaults(func=_compute_plane)
+
+    p = sub.add_parser("control-plane", help="serve control.proto, driving a compute plane")
+    add_dataclass_arguments(p, ControlConfig)
+    p.set_defaults(func=_control_plane)
+
+    p = sub.add_parser("generate", help="run both planes locally and stream one completion")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
+    p.add_argument("--verbose", action="store_true", help="show the planes' logs")
+    p.set_defaults(func=_generate)
     return parser
 
 

@@ -1,0 +1,127 @@
+"""Page tables: which blocks hold each request's tokens; prefix hits, growth, fork, free.
+
+Token t of a request lives in block `table[t // block_size]` at offset
+`t % block_size`. Full, computed blocks are indexed by a chained hash so that a later
+request with the same prefix reuses them instead of recomputing.
+"""
+
+from __future__ import annotations
+
+from control_plane.block_pool import Block, BlockPool, chain_hash
+from control_plane.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[str, list[Block]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of each table already indexed
+        self._last_hash: dict[str, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found in the cache
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        return 1.0 - self.pool.num_free / self.pool.num_usable
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, [])]
+
+    def find_prefix(self, req: Request) -> list[Block]:
+        """Cached blocks holding a prefix of `req`, capped so at least one token is left to compute."""
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        hits: list[Block] = []
+        parent = 0
+        for i in range(max_blocks if self.pool.enable_caching else 0):
+            h, key = chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    # ------------------------------------------------------------------ changes
+    def allocate(
+        self, req: Request, num_new_tokens: int, prefix: list[Block] | None = None
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens; return the appended block ids.
+
+        `prefix` (first admission only) are cache hits to share; the request's
+        num_computed_tokens must already count them. None when the pool is short:
+        then nothing changed.
+        """
+        prefix = prefix or []
+        table = self.tables.get(req.request_id)
+        held = len(table) if table is not None else len(prefix)
+        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - held
+        # Shared prefix blocks sitting in the free queue stop being free once taken.
+        if max(0, need) + self.pool.num_free_among(prefix) > self.pool.num_free:
+            return None
+        if table is None:
+            self.pool.share(prefix)
+            table = self.tables[req.request_id] = list(prefix)
+            self._num_hashed[req.request_id] = len(prefix)
+            self._last_hash[req.request_id] = prefix[-1].hash if prefix else 0
+        new = self.pool.allocate(max(0, need)) or []
+        table.extend(new)
+        return [b.block_id for b in new]
+
+    def cache_computed(self, req: Request) -> None:
+        """Index blocks that became full and computed (call after each step)."""
+        rid = req.request_id
+        table = self.tables[rid]
+        bs = self.block_size
+        done = self._num_hashed[rid]
+        parent = self._last_hash[rid]
+        full = min(req.num_computed_tokens // bs, len(table))
+        for i in range(done, full):
+            parent, key = chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+            self.pool.cache(table[i], key, parent)
+        self._num_hashed[rid] = max(done, full)
+        self._last_hash[rid] = parent
+
+    def fork(self, parent: Request, child: Request) -> int:
+        """Share the parent's full computed blocks with `child` (n > 1); returns tokens shared.
+
+        Only full blocks are shared: a partly filled block would be written by both,
+        so the child recomputes that tail into a block of its own (copy-on-write by
+        recompute). The child's num_computed_tokens is set to the shared length.
+        """
+        assert child.request_id not in self.tables, "fork into a request that holds blocks"
+        n = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
+        shared = self.tables[parent.request_id][:n]
+        self.pool.share(shared)
+        self.tables[child.request_id] = list(shared)
+        self._num_hashed[child.request_id] = 0
+        self._last_hash[child.request_id] = 0
+        child.num_computed_tokens = n * self.block_size
+        return child.num_computed_tokens
+
+    def free(self, req: Request) -> None:
+        """Give back the request's blocks, tail first so its last blocks are evicted first."""
+        table = self.tables.pop(req.request_id, None)
+        self._num_hashed.pop(req.request_id, None)
+        self._last_hash.pop(req.request_id, None)
+        if table:
+            self.pool.release(table[::-1])
+
+    def check_integrity(self) -> None:
+        """Pool consistency, and refcounts equal the number of tables holding each block."""
+        self.pool.check_integrity()
+        holders = [0] * self.pool.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                holders[b.block_id] += 1
+        for b in self.pool.blocks:
+            assert b.ref_cnt == holders[b.block_id], (
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {holders[b.block_id]} tables"
+            )

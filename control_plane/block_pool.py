@@ -1,0 +1,104 @@
+"""The KV block pool: block ids, refcounts, the free queue and the prefix-cache index.
+
+Block 0 is the null block: never handed out. A free block may still hold a cached
+prefix (its hash stays findable) until it is reallocated. The free queue is ordered
+for eviction: blocks without a cached prefix go to the front (reused first), cached
+ones to the back, so the prefixes used last survive longest (LRU).
+
+    free queue:  [uncached ... | cached, least recently freed ... most recently freed]
+                   ^ allocate() takes from here
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+BlockHash = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+
+
+def chain_hash(parent: int, tokens: tuple[int, ...]) -> tuple[int, BlockHash]:
+    """Hash of a full block given its parent's: equal only for equal whole prefixes."""
+    key = (parent, tokens)
+    return hash(key), key
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    key: BlockHash | None = None  # set while the block is in the prefix-cache index
+    hash: int = 0
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        assert num_blocks >= 2, "block 0 is reserved; at least one usable block is needed"
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[BlockHash, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def allocate(self, n: int) -> list[Block] | None:
+        """n fresh blocks (ref 1), evicting cached prefixes if needed; None if too few are free."""
+        if n > len(self.free):
+            return None
+        out = []
+        for _ in range(n):
+            block = self.blocks[self.free.popitem(last=False)[0]]
+            if block.key is not None:
+                del self.cached[block.key]
+                block.key = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def lookup(self, key: BlockHash) -> Block | None:
+        return self.cached.get(key)
+
+    def share(self, blocks: list[Block]) -> None:
+        """Take a reference on blocks found in the prefix cache (or a parent's, on fork)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self.free[b.block_id]
+            b.ref_cnt += 1
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop a reference; blocks reaching 0 go back to the free queue in the given order."""
+        for b in blocks:
+            assert b.ref_cnt > 0, f"block {b.block_id} released more often than taken"
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free[b.block_id] = None
+                if b.key is None:
+                    self.free.move_to_end(b.block_id, last=False)
+
+    def cache(self, block: Block, key: BlockHash, h: int) -> None:
+        """Index a full, computed block by its chained hash (first writer wins)."""
+        if self.enable_caching and block.key is None and key not in self.cached:
+            block.key, block.hash = key, h
+            self.cached[key] = block
+
+    def num_free_among(self, blocks: list[Block]) -> int:
+        return sum(1 for b in blocks if b.ref_cnt == 0)
+
+    def check_integrity(self) -> None:
+        """free + in use == usable; the index and the free queue agree with the blocks."""
+        in_use = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        assert self.blocks[0].ref_cnt == 0 and 0 not in self.free, "null block handed out"
+        assert in_use + len(self.free) == self.num_usable, (
+            f"{in_use} in use + {len(self.free)} free != {self.num_usable} usable blocks"
+        )
+        for bid in self.free:
+            assert self.blocks[bid].ref_cnt == 0, f"free block {bid} has references"
+        for key, b in self.cached.items():
+            assert b.key == key, f"cache index disagrees with block {b.block_id}"

@@ -1,0 +1,47 @@
+"""The control plane's one config dataclass (CLI flags and --config JSON map onto it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ControlConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind the gRPC server to"})
+    port: int = field(default=50051, metadata={"help": "gRPC port of the public API"})
+    compute: str = field(
+        default="127.0.0.1:50052", metadata={"help": "compute plane address HOST:PORT"}
+    )
+    model: str = field(
+        default="default", metadata={"help": "tokenizer source: HF folder, .gguf, or 'default'"}
+    )
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "cap on prompt + output tokens (default: the compute plane's)"},
+    )
+    max_num_blocks: int | None = field(
+        default=None,
+        metadata={"help": "use at most this many KV blocks (default: all the compute plane has)"},
+    )
+    max_waiting: int = field(
+        default=1024,
+        metadata={"help": "bounded waiting queue; beyond it requests get RESOURCE_EXHAUSTED"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse KV blocks of identical prompt prefixes"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_blocks is not None and self.max_num_blocks < 2:
+            raise ValueError(
+                f"max_num_blocks must be >= 2 (block 0 is reserved), got {self.max_num_blocks}"
+            )
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")

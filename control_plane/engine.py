@@ -1,0 +1,261 @@
+"""The control plane's engine: admits requests, runs the step loop, streams outputs.
+
+One asyncio task drives the attached compute plane: schedule -> send the step ->
+await its result -> update the scheduler -> push deltas to each Generate stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+from compute_plane.sampling_params import SamplingSpec
+from control_plane.compute_client import ComputeClient, ComputeLinkError, StepFailed
+from control_plane.config import ControlConfig
+from control_plane.detokenizer import IncrementalDetokenizer
+from control_plane.outputs import Choice, GenerateStream
+from control_plane.request import Request, Status
+from control_plane.scheduler import AdmissionError, Scheduler, SchedulerOutput
+from control_plane.stop import StopChecker
+from control_plane.tokenizer import TokenizerWrapper
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+log = logging.getLogger(__name__)
+MAX_N = 16
+
+
+class ComputeUnavailable(RuntimeError):
+    """No compute plane is attached."""
+
+
+@dataclass
+class ModelLimits:
+    max_model_len: int
+    vocab_size: int
+
+
+class ControlEngine:
+    def __init__(self, config: ControlConfig, tokenizer: TokenizerWrapper) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.client = ComputeClient(config.compute)
+        self.scheduler: Scheduler | None = None
+        self.description: cpb.DescribeResponse | None = None
+        self.streams: dict[str, GenerateStream] = {}
+        self.choices: dict[str, tuple[GenerateStream, Choice]] = {}
+        self._wake = asyncio.Event()
+        self._step_id = 0
+        self._task: asyncio.Task[None] | None = None
+        self.attached = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="control-step-loop")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self.client.close()
+
+    async def _attach(self) -> None:
+        d = await self.client.attach()
+        num_blocks = min(d.num_kv_blocks, self.config.max_num_blocks or d.num_kv_blocks)
+        max_len = min(d.max_model_len, self.config.max_model_len or d.max_model_len)
+        max_len = min(max_len, (num_blocks - 1) * d.block_size)
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks,
+            block_size=d.block_size,
+            max_model_len=max_len,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_waiting=self.config.max_waiting,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+        self.description = d
+        self.attached.set()
+        log.info(
+            "attached compute plane %s: %s, %d blocks of %d, max_model_len %d",
+            self.config.compute,
+            d.model_name,
+            num_blocks,
+            d.block_size,
+            max_len,
+        )
+
+    # --------------------------------------------------------------- intake
+    def submit(self, prompt_ids: list[int], params: pb.GenerationParams) -> GenerateStream:
+        """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable."""
+        sched = self.scheduler
+        if sched is None or not self.attached.is_set():
+            raise ComputeUnavailable("no compute plane is attached")
+        n = params.n or 1
+        if not 1 <= n <= MAX_N:
+            raise AdmissionError(f"n must be in 1..{MAX_N}, got {n}")
+        if params.max_tokens < 0 or params.min_tokens < 0:
+            raise AdmissionError("max_tokens and min_tokens must be >= 0")
+        if not prompt_ids:
+            raise AdmissionError("the prompt is empty")
+        vocab = self.description.vocab_size if self.description else 0
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise AdmissionError(f"prompt token ids must be in 0..{vocab - 1}")
+        max_tokens = params.max_tokens or sched.max_model_len - len(prompt_ids)
+        if params.min_tokens > max_tokens:
+            raise AdmissionError(
+                f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})"
+            )
+        stream_id = uuid.uuid4().hex
+        stream = GenerateStream(stream_id, list(prompt_ids), [], self.tokenizer)
+        for i in range(n):
+            sampling = cpb.SamplingParams(
+                temperature=params.temperature,
+                top_p=params.top_p or 1.0,
+                top_k=max(0, params.top_k),
+                min_p=params.min_p,
+                repetition_penalty=params.repetition_penalty or 1.0,
+                frequency_penalty=params.frequency_penalty,
+                presence_penalty=params.presence_penalty,
+                logprobs=params.logprobs,
+                top_logprobs=params.top_logprobs,
+            )
+            if params.HasField("seed"):
+                sampling.seed = (params.seed + i) % (1 << 64)
+            problem = SamplingSpec.from_proto(sampling).validate()
+            if problem:
+                raise AdmissionError(problem)
+            req = Request(
+                request_id=f"{stream_id}-{i}",
+                prompt_token_ids=list(prompt_ids),
+                max_tokens=max_tokens,
+                sampling=sampling,
+                min_tokens=params.min_tokens,
+                ignore_eos=params.ignore_eos,
+                eos_token_ids=frozenset(self.tokenizer.eos_token_ids)
+                | frozenset(self.description.eos_token_ids if self.description else ()),
+                stop_token_ids=frozenset(params.stop_token_ids),
+            )
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            stream.choices.append(Choice(i, req, detok, StopChecker(list(params.stop))))
+        added: list[Request] = []
+        try:
+            for c in stream.choices:
+                sched.add_request(c.request)
+                added.append(c.request)
+        except Exception:
+            for r in added:
+                sched.abort(r.request_id)
+            raise
+        self.streams[stream_id] = stream
+        for c in stream.choices:
+            self.choices[c.request.request_id] = (stream, c)
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: GenerateStream) -> None:
+        """Cancel a stream's unfinished choices now; their blocks are freed at once."""
+        if self.streams.pop(stream.stream_id, None) is None:
+            return
+        for c in stream.choices:
+            self.choices.pop(c.request.request_id, None)
+            if not c.finished and self.scheduler is not None:
+                self.scheduler.abort(c.request.request_id)
+        self._wake.set()
+
+    # ------------------------------------------------------------ step loop
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                if not self.attached.is_set():
+                    await self._attach()
+                    backoff = 0.2
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except (ComputeLinkError, StepFailed) as e:
+                log.error("compute plane lost: %s", e)
+                self.attached.clear()
+                self._fail_all(e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _loop(self) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        while True:
+            if not sched.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            out = sched.schedule()
+            if out.empty:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._step_id += 1
+            result = await self.client.step(self._to_step(out))
+            sampled = {r.request_id: r.token_id for r in result.results}
+            finished = {r.request_id for r in sched.update(out, sampled)}
+            self._emit(result, finished)
+
+    def _to_step(self, out: SchedulerOutput) -> cpb.StepRequest:
+        step = cpb.StepRequest(step_id=self._step_id, finished_ids=out.finished_ids)
+        for s in out.new:
+            r = s.request
+            step.new_requests.add(
+                request_id=r.request_id,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=s.num_computed_tokens,
+                num_scheduled_tokens=s.num_scheduled_tokens,
+                block_ids=s.block_ids,
+                sampling=r.sampling,
+            )
+        for c in out.continuing:
+            step.continuing.add(
+                request_id=c.request.request_id,
+                new_block_ids=c.new_block_ids,
+                num_scheduled_tokens=c.num_scheduled_tokens,
+            )
+        return step
+
+    def _emit(self, result: cpb.StepResult, finished: set[str]) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        touched: dict[str, tuple[GenerateStream, pb.GenerateResponse]] = {}
+        for r in result.results:
+            entry = self.choices.get(r.request_id)
+            if entry is None:
+                continue  # aborted while the step ran
+            stream, choice = entry
+            delta, matched = stream.token_delta(choice, r)
+            req = choice.request
+            if matched is not None:
+                req.stop_reason = matched
+                sched.finish(req.request_id, Status.FINISHED_STOPPED)
+            if req.status.finished:
+                stream.finish(choice, delta, req.status)
+                self.choices.pop(req.request_id, None)
+            if stream.stream_id not in touched:
+                resp = pb.GenerateResponse(request_id=stream.stream_id)
+                if not stream.prompt_sent:
+                    resp.prompt_token_ids.extend(stream.prompt_token_ids)
+                    stream.prompt_sent = True
+                touched[stream.stream_id] = (stream, resp)
+            touched[stream.stream_id][1].choices.append(delta)
+            if req.num_cached_tokens > 0 and choice.index == 0:
+                stream.num_cached_tokens = req.num_cached_tokens
+        for stream, resp in touched.values():
+            if stream.done:
+                resp.usage.CopyFrom(stream.usage())
+                self.streams.pop(stream.stream_id, None)
+            stream.queue.put_nowait(resp)
+
+    def _fail_all(self, error: Exception) -> None:
+        for stream in list(self.streams.values()):
+            stream.queue.put_nowait(ComputeUnavailable(f"compute plane lost: {error}"))
+        self.streams.clear()
+        self.choices.clear()
+        self.scheduler = None

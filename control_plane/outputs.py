@@ -1,0 +1,97 @@
+"""Per-choice output processing: detokenise, stop strings, logprobs -> GenerateResponse deltas."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from control_plane.detokenizer import IncrementalDetokenizer
+from control_plane.request import Request, Status
+from control_plane.stop import StopChecker
+from control_plane.tokenizer import TokenizerWrapper
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+FINISH_REASONS = {
+    Status.FINISHED_STOPPED: pb.FINISH_REASON_STOP,
+    Status.FINISHED_LENGTH: pb.FINISH_REASON_LENGTH,
+    Status.FINISHED_ABORTED: pb.FINISH_REASON_ABORT,
+}
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    request: Request
+    detok: IncrementalDetokenizer
+    stop: StopChecker
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class GenerateStream:
+    """One Generate call: its choices and the queue its responses go through."""
+
+    stream_id: str
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    tokenizer: TokenizerWrapper
+    queue: asyncio.Queue[pb.GenerateResponse | BaseException] = field(default_factory=asyncio.Queue)
+    num_cached_tokens: int = 0
+    prompt_sent: bool = False
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    def token_delta(
+        self, choice: Choice, result: cpb.TokenResult
+    ) -> tuple[pb.ChoiceDelta, str | None]:
+        """The delta for one sampled token; returns the stop string it completed, if any."""
+        req = choice.request
+        tok = result.token_id
+        delta = pb.ChoiceDelta(index=choice.index, token_ids=[tok], stop_token_id=-1)
+        ended_by_token = req.status == Status.FINISHED_STOPPED and req.stop_reason == tok
+        text = "" if ended_by_token else choice.detok.push(tok)
+        emit, matched = choice.stop.feed(text)
+        if req.sampling.logprobs:
+            delta.logprobs.append(self._logprob(result))
+        delta.text = emit
+        return delta, matched
+
+    def finish(self, choice: Choice, delta: pb.ChoiceDelta, status: Status) -> None:
+        """Flush held-back text and mark the choice finished."""
+        if not isinstance(choice.request.stop_reason, str):  # a stop string drops the rest
+            tail, matched = choice.stop.feed(choice.detok.flush())
+            delta.text += tail + (choice.stop.flush() if matched is None else "")
+        choice.finished = True
+        delta.finish_reason = FINISH_REASONS[status]
+        reason = choice.request.stop_reason
+        if isinstance(reason, str):
+            delta.stop_reason = reason
+        elif isinstance(reason, int):
+            delta.stop_token_id = reason
+
+    def usage(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=sum(c.request.num_output_tokens for c in self.choices),
+            cached_prompt_tokens=self.num_cached_tokens,
+        )
+
+    def _logprob(self, r: cpb.TokenResult) -> pb.TokenLogprob:
+        t = self.tokenizer
+        lp = pb.TokenLogprob(
+            token_id=r.token_id,
+            token=t.token_text(r.token_id),
+            token_bytes=t.token_bytes(r.token_id),
+            logprob=r.logprob,
+        )
+        for top in r.top_logprobs:
+            lp.top_logprobs.add(
+                token_id=top.token_id,
+                token=t.token_text(top.token_id),
+                token_bytes=t.token_bytes(top.token_id),
+                logprob=top.logprob,
+            )
+        return lp

@@ -1,0 +1,75 @@
+"""A request as the scheduler sees it: tokens, progress, limits, status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    """Progress is arithmetic: `num_computed_tokens` of `num_tokens` have K/V in the cache.
+
+    There is no prefill or decode state: a request with many uncomputed tokens is
+    prefilling (maybe in chunks), one with exactly one is decoding. Preemption
+    resets num_computed_tokens to 0 and keeps the generated tokens.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    sampling: Any = None  # compute.proto SamplingParams, passed through to the compute plane
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    status: Status = Status.WAITING
+    sent_to_compute: bool = False  # the compute plane holds its state (else send it in full)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def stop_check(self, token: int, max_model_len: int) -> Status | None:
+        """The finished status that appending `token` causes, if any."""
+        enough = self.num_output_tokens >= self.min_tokens
+        if enough and token in self.stop_token_ids:
+            self.stop_reason = token
+            return Status.FINISHED_STOPPED
+        if enough and not self.ignore_eos and token in self.eos_token_ids:
+            self.stop_reason = token
+            return Status.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return Status.FINISHED_LENGTH
+        return None

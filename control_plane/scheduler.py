@@ -1,0 +1,215 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Per step, within `max_num_batched_tokens` and `max_num_seqs`:
+  1. running requests with one token left (decodes), in admission order;
+  2. running requests still prefilling (their next chunk);
+  3. waiting requests, admitted in order (prefix-cache hit looked up at admission).
+When a running request cannot get a block, the most recently admitted running
+request is preempted by recompute: its blocks are freed, it goes back to the front
+of the waiting queue with its generated tokens kept, and is later re-sent in full.
+
+The output is a diff for the compute plane: requests it does not hold are sent in
+full, the others as appended block ids and a token count.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from control_plane.block_manager import BlockManager
+from control_plane.request import Request, Status
+
+
+class AdmissionError(ValueError):
+    """The request can never run (e.g. longer than max_model_len)."""
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is full; retry later."""
+
+
+@dataclass
+class NewScheduled:
+    request: Request
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class ContinuingScheduled:
+    request: Request
+    new_block_ids: list[int]
+    num_scheduled_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new: list[NewScheduled] = field(default_factory=list)
+    continuing: list[ContinuingScheduled] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # the compute plane drops these first
+    num_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.new or self.continuing or self.finished_ids)
+
+    def scheduled(self) -> list[tuple[Request, int]]:
+        pairs = [(s.request, s.num_scheduled_tokens) for s in self.new]
+        return pairs + [(s.request, s.num_scheduled_tokens) for s in self.continuing]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_waiting: int = 1024,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_waiting = max_waiting
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}
+        self._dropped: list[str] = []  # ids the compute plane must forget in the next step
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req: Request) -> None:
+        total = req.num_prompt_tokens + req.max_tokens
+        if req.num_prompt_tokens == 0:
+            raise AdmissionError("the prompt is empty")
+        if total > self.max_model_len:
+            raise AdmissionError(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) = {total} "
+                f"exceeds the maximum context length of {self.max_model_len} tokens"
+            )
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, request_id: str, status: Status) -> Request | None:
+        """End a request now (abort, stop string): its blocks are freed at once."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, Status.FINISHED_ABORTED)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._dropped)
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        planned: dict[Request, tuple[list[int], int]] = {}
+        preempted = False
+
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status != Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (new_ids := self.block_manager.allocate(req, n)) is None:
+                victim = self.running[-1]
+                budget += planned.pop(victim, ([], 0))[1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new_ids is None:
+                continue
+            planned[req] = (new_ids, n)
+            budget -= n
+
+        # No admissions in a step that had to preempt: the pool is under pressure.
+        while (
+            self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            prefix = self.block_manager.find_prefix(req)
+            hit = len(prefix) * self.block_manager.block_size
+            req.num_computed_tokens = hit
+            n = min(req.num_tokens - hit, budget)
+            new_ids = self.block_manager.allocate(req, n, prefix)
+            if new_ids is None:
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit
+                self.block_manager.prefix_queries += req.num_prompt_tokens
+                self.block_manager.prefix_hits += hit
+            req.status = Status.RUNNING
+            self.running.append(req)
+            planned[req] = (new_ids, n)
+            budget -= n
+
+        out.finished_ids, self._dropped = self._dropped, []
+        for req, (new_ids, n) in planned.items():
+            if req.sent_to_compute:
+                out.continuing.append(ContinuingScheduled(req, new_ids, n))
+            else:
+                ids = self.block_manager.block_ids(req.request_id)
+                out.new.append(NewScheduled(req, ids, req.num_computed_tokens, n))
+                req.sent_to_compute = True
+            out.num_tokens += n
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a step's result: advance progress, append sampled tokens, finish requests."""
+        finished = []
+        for req, n in out.scheduled():
+            if req.status != Status.RUNNING:
+                continue  # aborted while the step was in flight
+            req.num_computed_tokens += n
+            self.block_manager.cache_computed(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.token_ids.append(token)
+            status = req.stop_check(token, self.max_model_len)
+            if status is not None:
+                self.finish(req.request_id, status)
+                finished.append(req)
+        return finished
+
+    # ---------------------------------------------------------------- helpers
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _release(self, req: Request) -> None:
+        self.block_manager.free(req)
+        if req.sent_to_compute:
+            self._dropped.append(req.request_id)
+            req.sent_to_compute = False

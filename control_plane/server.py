@@ -1,0 +1,187 @@
+"""gRPC server of the control plane: the public ControlPlane API, health and reflection.
+
+Errors are mapped here, in one place: bad input -> INVALID_ARGUMENT, a full queue ->
+RESOURCE_EXHAUSTED, no compute plane -> UNAVAILABLE. Cancelling a Generate call
+aborts its request and frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from control_plane.chat_template import ChatTemplateError
+from control_plane.config import ControlConfig
+from control_plane.engine import ComputeUnavailable, ControlEngine
+from control_plane.scheduler import AdmissionError, QueueFullError
+from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
+from hetero_infer.model_path import model_display_name, resolve_model_path
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+
+_STATUS = {
+    AdmissionError: grpc.StatusCode.INVALID_ARGUMENT,
+    TokenizerError: grpc.StatusCode.INVALID_ARGUMENT,
+    ChatTemplateError: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ComputeUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(e: BaseException) -> grpc.StatusCode | None:
+    return next((code for kind, code in _STATUS.items() if isinstance(e, kind)), None)
+
+
+class ControlServicer(pb_grpc.ControlPlaneServicer):
+    def __init__(self, engine: ControlEngine, model_name: str) -> None:
+        self.engine = engine
+        self.tokenizer: TokenizerWrapper = engine.tokenizer
+        self.model_name = model_name
+
+    def _prompt_ids(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "text":
+            return self.tokenizer.encode(request.text)
+        if which == "token_ids":
+            return list(request.token_ids.ids)  # type: ignore[union-attr]
+        if which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise AdmissionError("chat input has no messages")
+            text = self.tokenizer.apply_chat_template(messages, request.chat.add_generation_prompt)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        raise AdmissionError("no input: set text, token_ids or chat")
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            stream = self.engine.submit(self._prompt_ids(request), request.params)
+        except Exception as e:
+            code = status_for(e)
+            if code is None:
+                raise
+            await context.abort(code, str(e))
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    await context.abort(status_for(item) or grpc.StatusCode.INTERNAL, str(item))
+                assert isinstance(item, pb.GenerateResponse)
+                if request.request_id:
+                    item.request_id = request.request_id
+                yield item
+                if item.HasField("usage"):
+                    return
+        finally:
+            self.engine.abort(stream)  # no-op when finished; frees blocks when cancelled
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            if request.WhichOneof("input") == "text":
+                ids = self.tokenizer.encode(
+                    request.text, add_special_tokens=request.add_special_tokens
+                )
+            else:
+                ids = self._prompt_ids(request)
+        except (AdmissionError, TokenizerError, ChatTemplateError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        sched = self.engine.scheduler
+        return pb.TokenizeResponse(
+            token_ids=ids, count=len(ids), max_model_len=sched.max_model_len if sched else 0
+        )
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        ids = list(request.token_ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.tokenizer.vocab_size):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"token ids must be in 0..{self.tokenizer.vocab_size - 1}",
+            )
+        return pb.DetokenizeResponse(text=self.tokenizer.decode(ids, request.skip_special_tokens))
+
+    async def ModelInfo(
+        self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfoResponse:
+        d = self.engine.description
+        sched = self.engine.scheduler
+        info = pb.ModelInfoResponse(
+            model_name=self.model_name,
+            vocab_size=self.tokenizer.vocab_size,
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            has_chat_template=bool(self.tokenizer.chat_template),
+            compute_attached=self.engine.attached.is_set(),
+        )
+        if d is not None and sched is not None:
+            info.max_model_len = sched.max_model_len
+            info.block_size = d.block_size
+            info.num_kv_blocks = sched.block_manager.pool.num_blocks
+            info.architecture, info.dtype, info.device = d.architecture, d.dtype, d.device
+        return info
+
+
+async def serve(config: ControlConfig) -> None:
+    path: Path = resolve_model_path(config.model)
+    tokenizer = load_tokenizer(path)
+    engine = ControlEngine(config, tokenizer)
+    server = grpc.aio.server()
+    pb_grpc.add_ControlPlaneServicer_to_server(
+        ControlServicer(engine, model_display_name(path)), server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ),
+        server,
+    )
+    address = f"{config.host}:{config.port}"
+    server.add_insecure_port(address)
+    await server.start()
+    await engine.start()
+    log.info("control plane listening on %s, compute plane %s", address, config.compute)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def follow_attachment() -> None:
+        """Health is SERVING only while a compute plane is attached."""
+        serving = None
+        while True:
+            now = engine.attached.is_set()
+            if now != serving:
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if now
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
+                for name in ("", SERVICE_NAME):
+                    await health_servicer.set(name, status)
+                serving = now
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.create_task(follow_attachment())
+    await stop.wait()
+    log.info("control plane shutting down")
+    watcher.cancel()
+    await server.stop(grace=5)
+    await engine.stop()

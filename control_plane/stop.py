@@ -1,0 +1,44 @@
+"""Stop strings on streamed text: matched across token boundaries, never leaked.
+
+Text that could still be the start of a stop string is held back until it either
+completes a match (then it and everything after it are dropped) or cannot match.
+"""
+
+from __future__ import annotations
+
+
+class StopChecker:
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """(text safe to emit, the stop string matched or None)."""
+        if self.stopped:
+            return "", None
+        if not self.stop:
+            return text, None
+        buf = self.held + text
+        hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
+        if hits:
+            i, s = min(hits)
+            self.held, self.stopped = "", True
+            return buf[:i], s
+        keep = self._partial_suffix(buf)
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], None
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best

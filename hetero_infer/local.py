@@ -1,0 +1,91 @@
+"""Start planes as child processes on loopback (for `generate` and `serve`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    """Poll grpc.health.v1 until SERVING; raise if the process dies first."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before serving")
+            try:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not serving after {timeout:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def child(args: list[str], address: str, quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+    """`hetero-infer ARGS` as a child process; yielded once its gRPC health is SERVING."""
+    out = subprocess.DEVNULL if quiet else None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hetero_infer.cli", *args],
+        stdout=out,
+        stderr=out,
+        env=dict(os.environ),
+    )
+    try:
+        wait_serving(address, proc)
+        yield proc
+    finally:
+        stop_process(proc)
+
+
+@contextlib.contextmanager
+def local_planes(
+    model: str, quiet: bool = True, extra_compute: tuple[str, ...] = ()
+) -> Iterator[str]:
+    """Compute and control planes on free loopback ports; yields the control plane address."""
+    cport, kport = free_port(), free_port()
+    compute = f"127.0.0.1:{kport}"
+    control = f"127.0.0.1:{cport}"
+    with (
+        child(
+            ["compute-plane", "--model", model, "--port", str(kport), *extra_compute],
+            compute,
+            quiet,
+        ),
+        child(
+            ["control-plane", "--model", model, "--port", str(cport), "--compute", compute],
+            control,
+            quiet,
+        ),
+    ):
+        yield control
