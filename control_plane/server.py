@@ -131,6 +131,18 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             info.block_size = d.block_size
             info.num_kv_blocks = sched.block_manager.pool.num_blocks
             info.architecture, info.dtype, info.device = d.architecture, d.dtype, d.device
+            bm = sched.block_manager
+            st = info.stats
+            st.num_free_kv_blocks = bm.num_free_blocks
+            st.num_usable_kv_blocks = bm.pool.num_usable
+            st.num_running, st.num_waiting = len(sched.running), len(sched.waiting)
+            st.num_preemptions = sched.num_preemptions
+            st.prefix_cache_queries, st.prefix_cache_hits = bm.prefix_queries, bm.prefix_hits
+            try:
+                bm.check_integrity()
+                st.integrity_ok = True
+            except AssertionError as e:
+                st.integrity_error = str(e)
         return info
 
 

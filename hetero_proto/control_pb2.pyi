@@ -197,7 +197,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "has_chat_template", "compute_attached", "architecture", "dtype", "device")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "has_chat_template", "compute_attached", "architecture", "dtype", "device", "stats")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class ModelInfoResponse(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -220,4 +221,27 @@ class ModelInfoResponse(_message.Message):
     architecture: str
     dtype: str
     device: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., compute_attached: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    stats: EngineStats
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., compute_attached: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("num_free_kv_blocks", "num_usable_kv_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "integrity_ok", "integrity_error")
+    NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_USABLE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    num_free_kv_blocks: int
+    num_usable_kv_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    integrity_ok: bool
+    integrity_error: str
+    def __init__(self, num_free_kv_blocks: _Optional[int] = ..., num_usable_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,155 @@
+"""Control plane + compute plane as real processes (bundled SmolLM2, CPU)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import compute_pb2_grpc as cpb_grpc
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+from tests.conftest import hf_greedy
+from tests.e2e_helpers import generate, greedy
+from tests.procs import Stack, control_stack
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 20
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    lengths = [3, 250, 17, 64, 1, 130, 40, 9, 200, 33, 77, 5, 150, 21, 90, 12]
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with control_stack(("--kv-cache-bytes", str(96 << 20))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stub(stack: Stack) -> Iterator[pb_grpc.ControlPlaneStub]:
+    with grpc.insecure_channel(stack.control) as ch:
+        yield pb_grpc.ControlPlaneStub(ch)
+
+
+@pytest.fixture(scope="module")
+def alone(stub: pb_grpc.ControlPlaneStub) -> list[list[int]]:
+    """Each prompt's greedy tokens, run one at a time."""
+    return [generate(stub, greedy(p, MAX_TOKENS)).tokens[0] for p in _prompts()]
+
+
+def _concurrently(stub: pb_grpc.ControlPlaneStub) -> list[list[int]]:
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda p: generate(stub, greedy(p, MAX_TOKENS)), _prompts()))
+    return [o.tokens[0] for o in outs]
+
+
+def _wait_pool_full(stub: pb_grpc.ControlPlaneStub, timeout: float) -> pb.EngineStats:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = stub.ModelInfo(pb.ModelInfoRequest()).stats
+        if st.num_free_kv_blocks == st.num_usable_kv_blocks or time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def test_sixteen_concurrent_equal_alone(stub, alone) -> None:  # type: ignore[no-untyped-def]
+    assert all(len(t) == MAX_TOKENS for t in alone)
+    assert _concurrently(stub) == alone
+    st = _wait_pool_full(stub, 2.0)
+    assert st.integrity_ok, st.integrity_error
+    assert st.num_free_kv_blocks == st.num_usable_kv_blocks
+
+
+def test_preemption_under_a_tiny_pool_keeps_outputs(alone) -> None:  # type: ignore[no-untyped-def]
+    with (
+        control_stack(("--kv-cache-bytes", str(96 << 20)), ("--max-num-blocks", "22")) as s,
+        grpc.insecure_channel(s.control) as ch,
+    ):
+        small = pb_grpc.ControlPlaneStub(ch)
+        assert _concurrently(small) == alone
+        st = _wait_pool_full(small, 2.0)
+        assert st.num_preemptions > 0
+        assert st.integrity_ok, st.integrity_error
+        assert st.num_free_kv_blocks == st.num_usable_kv_blocks == 21
+
+
+def test_shared_prefix_computes_only_the_suffix(stack, stub, hf_smollm2) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(5)
+    prefix = [rng.randrange(100, 49000) for _ in range(200)]
+    first = prefix + [rng.randrange(100, 49000) for _ in range(10)]
+    second = prefix + [rng.randrange(100, 49000) for _ in range(12)]
+    generate(stub, greedy(first, 4))
+    with grpc.insecure_channel(stack.compute) as ch:
+        compute = cpb_grpc.ComputePlaneStub(ch)
+        before = compute.Stats(cpb.StatsRequest())
+        out = generate(stub, greedy(second, 16))
+        after = compute.Stats(cpb.StatsRequest())
+    cached = 200 // 16 * 16  # whole blocks of the shared prefix
+    computed = after.num_prompt_tokens_computed - before.num_prompt_tokens_computed
+    assert computed == len(second) - cached
+    assert out.usage is not None and out.usage.cached_prompt_tokens == cached
+    assert out.tokens[0] == hf_greedy(hf_smollm2, second, 16)
+
+
+def test_stop_strings_across_tokens_never_leak(stub) -> None:  # type: ignore[no-untyped-def]
+    prompt = "Once upon a time, in a land far away,"
+    full = generate(
+        stub,
+        pb.GenerateRequest(text=prompt, params=pb.GenerationParams(max_tokens=40, ignore_eos=True)),
+    )
+    text = full.texts[0]
+    # A stop string that starts inside one token and ends inside a later one.
+    start = len(text) // 3 + 1
+    stop = text[start : start + 7]
+    later = text[2 * len(text) // 3 : 2 * len(text) // 3 + 5]
+    params = pb.GenerationParams(max_tokens=40, ignore_eos=True, stop=[later, stop, "\x00never"])
+    out = generate(stub, pb.GenerateRequest(text=prompt, params=params))
+    cut = text.index(stop)
+    assert out.texts[0] == text[:cut]
+    assert "".join(out.deltas[0]) == text[:cut]  # no delta carried a piece of the stop string
+    assert out.finish[0] == pb.FINISH_REASON_STOP
+
+
+def test_cancel_mid_stream_frees_the_pool(stub) -> None:  # type: ignore[no-untyped-def]
+    call = stub.Generate(greedy(list(range(200, 460)), 500))
+    for _ in range(3):
+        next(call)
+    assert stub.ModelInfo(pb.ModelInfoRequest()).stats.num_running == 1
+    call.cancel()
+    st = _wait_pool_full(stub, 1.0)
+    assert st.num_free_kv_blocks == st.num_usable_kv_blocks
+    assert st.integrity_ok, st.integrity_error
+    assert st.num_running == 0 and st.num_waiting == 0
+
+
+def test_prompt_too_long_is_refused(stub) -> None:  # type: ignore[no-untyped-def]
+    info = stub.ModelInfo(pb.ModelInfoRequest())
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, greedy([300] * 10, info.max_model_len))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(info.max_model_len) in e.value.details()
+
+
+def test_cli_generate_equals_transformers(hf_smollm2, hf_smollm2_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    prompt = "The three primary colors are"
+    ids = hf_smollm2_tokenizer(prompt).input_ids
+    expected = hf_smollm2_tokenizer.decode(hf_greedy(hf_smollm2, ids, 24), skip_special_tokens=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "hetero_infer.cli", "generate", prompt, "--max-tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.rstrip("\n") == expected
