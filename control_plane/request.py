@@ -63,7 +63,8 @@ class Request:
 
     def stop_check(self, token: int, max_model_len: int) -> Status | None:
         """The finished status that appending `token` causes, if any."""
-        enough = self.num_output_tokens >= self.min_tokens
+        # The first min_tokens tokens may not end the request (vLLM's min_tokens).
+        enough = self.num_output_tokens > self.min_tokens
         if enough and token in self.stop_token_ids:
             self.stop_reason = token
             return Status.FINISHED_STOPPED

@@ -1,0 +1,179 @@
+"""Block pool and page tables: exact ids in tiny pools, and a random-operations state machine."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from control_plane.block_manager import BlockManager
+from control_plane.request import Request
+
+BS = 4
+
+
+def _req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, max_tokens=8)
+
+
+def _admit(bm: BlockManager, req: Request) -> list[int] | None:
+    """What the scheduler does on admission: prefix lookup, then room for the rest."""
+    prefix = bm.find_prefix(req)
+    req.num_computed_tokens = len(prefix) * BS
+    new = bm.allocate(req, req.num_tokens - req.num_computed_tokens, prefix)
+    return new
+
+
+def _compute_all(bm: BlockManager, req: Request) -> None:
+    req.num_computed_tokens = req.num_tokens
+    bm.cache_computed(req)
+
+
+def test_exact_ids_and_free_order() -> None:
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    a = _req("a", list(range(9)))
+    assert _admit(bm, a) == [1, 2, 3]
+    _compute_all(bm, a)
+    b = _req("b", [50, 51])
+    assert _admit(bm, b) == [4]
+    assert bm.num_free_blocks == 1  # block 5
+    bm.free(a)
+    # a's partial block 3 (uncached) goes to the front; full cached blocks 2 then 1 to the back.
+    assert list(bm.pool.free) == [3, 5, 2, 1]
+    bm.check_integrity()
+
+
+def test_prefix_hit_shares_blocks_and_is_capped() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = _req("a", list(range(9)))
+    _admit(bm, a)
+    _compute_all(bm, a)
+    # Same first 8 tokens: both full blocks hit.
+    b = _req("b", [*range(8), 99])
+    assert _admit(bm, b) == [4]
+    assert b.num_computed_tokens == 8 and bm.block_ids("b") == [1, 2, 4]
+    assert bm.pool.blocks[1].ref_cnt == 2
+    # A prompt of exactly 8 matching tokens may reuse only the first block: one token must run.
+    c = _req("c", list(range(8)))
+    assert _admit(bm, c) == [5]
+    assert c.num_computed_tokens == 4 and bm.block_ids("c") == [1, 5]
+    bm.check_integrity()
+
+
+def test_freed_cached_blocks_are_evicted_last_and_lose_their_hash() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS)  # usable: 1, 2, 3
+    a = _req("a", list(range(8)))  # two full blocks, both cached once computed
+    _admit(bm, a)
+    _compute_all(bm, a)
+    bm.free(a)
+    assert list(bm.pool.free) == [3, 2, 1]  # fresh block first, then a's tail, then its head
+    b = _req("b", [7, 7, 7])
+    assert _admit(bm, b) == [3]
+    c = _req("c", [8, 8, 8, 8, 8])  # needs 2 blocks: evicts cached 2 (a's tail) then 1
+    assert _admit(bm, c) == [2, 1]
+    assert bm.find_prefix(_req("d", [*range(8), 1])) == []  # the prefix is gone
+    bm.check_integrity()
+
+
+def test_fork_shares_full_blocks_only() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    parent = _req("p", list(range(10)))
+    _admit(bm, parent)
+    _compute_all(bm, parent)
+    child = _req("c", list(range(10)))
+    assert bm.fork(parent, child) == 8
+    assert bm.block_ids("c") == bm.block_ids("p")[:2]
+    assert [bm.pool.blocks[i].ref_cnt for i in bm.block_ids("c")] == [2, 2]
+    assert bm.allocate(child, 2) == [4]  # the tail is recomputed into its own block
+    bm.check_integrity()
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == 7
+    bm.check_integrity()
+
+
+def test_allocate_failure_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=3, block_size=BS)
+    a = _req("a", list(range(12)))
+    assert _admit(bm, a) is None
+    assert bm.num_free_blocks == 2 and "a" not in bm.tables
+    bm.check_integrity()
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate / append / fork / free / prefix-hit sequences on a small pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=10, block_size=BS)
+        self.live: dict[str, Request] = {}
+        self.next_id = 0
+
+    @rule(n=st.integers(1, 14), vocab=st.integers(1, 3))
+    def admit(self, n: int, vocab: int) -> None:
+        # A tiny vocabulary makes prefix hits frequent.
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        req = _req(rid, [(i * 7) % vocab for i in range(n)])
+        if _admit(self.bm, req) is not None:
+            _compute_all(self.bm, req)
+            self.live[rid] = req
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def append(self, data: st.DataObject) -> None:
+        req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        req.token_ids.append(data.draw(st.integers(0, 2)))
+        if self.bm.allocate(req, 1) is not None:
+            _compute_all(self.bm, req)
+        else:
+            req.token_ids.pop()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        child = _req(f"r{self.next_id}", list(parent.token_ids))
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        if self.bm.allocate(child, child.num_tokens - child.num_computed_tokens) is None:
+            self.bm.free(child)
+            return
+        _compute_all(self.bm, child)
+        self.live[child.request_id] = child
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        self.bm.free(self.live.pop(data.draw(st.sampled_from(sorted(self.live)))))
+
+    @invariant()
+    def consistent(self) -> None:
+        self.bm.check_integrity()  # refcount == number of tables holding each block
+        for rid, req in self.live.items():
+            ids = self.bm.block_ids(rid)
+            assert 0 not in ids
+            assert len(ids) * BS >= req.num_tokens
+        # A block in two live tables is a full block with the same tokens in both (prefix or fork).
+        owners: dict[int, list[tuple[str, int]]] = {}
+        for rid in self.live:
+            for pos, b in enumerate(self.bm.block_ids(rid)):
+                owners.setdefault(b, []).append((rid, pos))
+        for b, holders in owners.items():
+            if len(holders) > 1:
+                contents = {
+                    tuple(self.live[rid].token_ids[pos * BS : (pos + 1) * BS])
+                    for rid, pos in holders
+                }
+                assert len(contents) == 1, f"block {b} shared by different contents"
+                assert all(len(c) == BS for c in contents), f"partial block {b} shared"
+
+    def teardown(self) -> None:
+        for req in list(self.live.values()):
+            self.bm.free(req)
+        self.bm.check_integrity()
+        assert self.bm.num_free_blocks == 9
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,0 +1,189 @@
+"""Scheduler properties under random workloads, with the compute plane simulated in the test."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.request import Request, Status
+from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
+
+BS = 4
+EOS = 0
+
+
+class FakeCompute:
+    """Mirrors what the compute plane keeps: page tables and tokens, rebuilt from the diffs."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.tables: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.rng = rng
+
+    def step(self, out: SchedulerOutput) -> dict[str, int]:
+        for rid in out.finished_ids:
+            self.tables.pop(rid)
+            self.computed.pop(rid)
+        for s in out.new:
+            assert s.request.request_id not in self.tables, "sent in full twice"
+            self.tables[s.request.request_id] = list(s.block_ids)
+            self.computed[s.request.request_id] = s.num_computed_tokens
+        for c in out.continuing:
+            self.tables[c.request.request_id].extend(c.new_block_ids)
+        sampled = {}
+        for req, n in out.scheduled():
+            rid = req.request_id
+            self.computed[rid] += n
+            assert self.computed[rid] <= len(self.tables[rid]) * BS, "tokens beyond the blocks"
+            if self.computed[rid] == req.num_tokens:
+                sampled[rid] = self.rng.randrange(0, 12)  # token 0 is EOS
+        return sampled
+
+
+def _check_step(sched: Scheduler, out: SchedulerOutput, compute: FakeCompute) -> None:
+    scheduled = out.scheduled()
+    assert out.num_tokens == sum(n for _, n in scheduled) <= sched.max_num_batched_tokens
+    assert len(scheduled) <= sched.max_num_seqs
+    assert all(n >= 1 for _, n in scheduled)
+    # Decodes (one token left) come before prefills among continuing requests.
+    kinds = [c.request.num_tokens - c.request.num_computed_tokens == 1 for c in out.continuing]
+    assert kinds == sorted(kinds, reverse=True)
+    # Every request is in exactly one place.
+    waiting = {r.request_id for r in sched.waiting}
+    running = {r.request_id for r in sched.running}
+    assert not waiting & running
+    assert waiting | running == set(sched.requests)
+    sched.block_manager.check_integrity()
+    # The compute plane's view, rebuilt from diffs alone, equals the block manager's tables.
+    for rid, table in compute.tables.items():
+        assert table == sched.block_manager.block_ids(rid), rid
+
+
+def _run(sched: Scheduler, requests: list[Request], seed: int) -> None:
+    compute = FakeCompute(random.Random(seed))
+    for r in requests:
+        sched.add_request(r)
+    for _ in range(5000):
+        if not sched.has_work:
+            break
+        out = sched.schedule()
+        sampled = compute.step(out)
+        _check_step(sched, out, compute)
+        sched.update(out, sampled)
+    else:
+        pytest.fail("no progress: livelock")
+    assert all(r.status.finished for r in requests)
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> tuple[Scheduler, list[Request], int]:
+    num_blocks = draw(st.integers(8, 40))
+    max_len = (num_blocks - 1) * BS
+    sched = Scheduler(
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_model_len=max_len,
+        max_num_seqs=draw(st.integers(1, 8)),
+        max_num_batched_tokens=draw(st.integers(1, 40)),
+    )
+    reqs = []
+    for i in range(draw(st.integers(1, 10))):
+        n = draw(st.integers(1, max(1, min(30, max_len - 1))))
+        vocab = draw(st.sampled_from([2, 50]))
+        reqs.append(
+            Request(
+                f"r{i}",
+                [1 + (j * 13 + i * draw(st.integers(0, 1))) % vocab for j in range(n)],
+                max_tokens=draw(st.integers(1, max(1, min(12, max_len - n)))),
+                min_tokens=draw(st.integers(0, 3)),
+                ignore_eos=draw(st.booleans()),
+                eos_token_ids=frozenset({EOS}),
+                stop_token_ids=frozenset(draw(st.sets(st.integers(1, 11), max_size=2))),
+            )
+        )
+    return sched, reqs, draw(st.integers(0, 1000))
+
+
+@settings(max_examples=200, deadline=None)
+@given(workloads())
+def test_random_workloads_finish_within_budgets(w: tuple[Scheduler, list[Request], int]) -> None:
+    sched, reqs, seed = w
+    _run(sched, reqs, seed)
+    for r in reqs:
+        out = r.output_token_ids
+        # Finished iff a stop condition holds, and for the right reason.
+        if r.status == Status.FINISHED_LENGTH:
+            assert len(out) == r.max_tokens
+            assert not any(t in r.stop_token_ids for t in out[r.min_tokens :])
+        else:
+            assert r.status == Status.FINISHED_STOPPED
+            assert len(out) > r.min_tokens
+            last = out[-1]
+            assert last in r.stop_token_ids or (last == EOS and not r.ignore_eos)
+            assert len(out) <= r.max_tokens
+        # Nothing stopped it earlier.
+        for t in out[r.min_tokens : -1]:
+            assert t not in r.stop_token_ids and (r.ignore_eos or t != EOS)
+    bm = sched.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.pool.num_usable
+
+
+def test_tight_pool_preempts_and_still_finishes() -> None:
+    sched = Scheduler(num_blocks=9, block_size=BS, max_model_len=32, max_num_batched_tokens=64)
+    reqs = [Request(f"r{i}", [5 + i] * 10, max_tokens=20, ignore_eos=True) for i in range(4)]
+    _run(sched, reqs, seed=1)
+    assert sched.num_preemptions > 0
+    assert all(r.num_output_tokens == 20 and r.status == Status.FINISHED_LENGTH for r in reqs)
+    assert any(r.num_preemptions for r in reqs)
+
+
+def test_preemption_keeps_generated_tokens_and_resends_in_full() -> None:
+    sched = Scheduler(num_blocks=5, block_size=BS, max_model_len=16, max_num_batched_tokens=64)
+    a = Request("a", [1, 2, 3], max_tokens=13, ignore_eos=True)
+    b = Request("b", [4, 5, 6], max_tokens=13, ignore_eos=True)
+    compute = FakeCompute(random.Random(0))
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted_with: list[int] = []
+    for _ in range(200):
+        if not sched.has_work:
+            break
+        out = sched.schedule()
+        for s in out.new:
+            if s.request.num_preemptions:
+                preempted_with.append(s.request.num_output_tokens)
+                # Resent in full: every known token, none computed (no full cached block hit needed).
+                assert (
+                    s.request.token_ids[: s.request.num_prompt_tokens] == s.request.prompt_token_ids
+                )
+        sampled = compute.step(out)
+        _check_step(sched, out, compute)
+        sched.update(out, sampled)
+    assert sched.num_preemptions > 0 and preempted_with and max(preempted_with) > 0
+    assert a.num_output_tokens == b.num_output_tokens == 13
+
+
+def test_admission_errors() -> None:
+    sched = Scheduler(num_blocks=9, block_size=BS, max_model_len=32, max_waiting=1)
+    with pytest.raises(AdmissionError, match="32"):
+        sched.add_request(Request("long", [1] * 30, max_tokens=3))
+    sched.add_request(Request("ok", [1], max_tokens=3))
+    with pytest.raises(QueueFullError):
+        sched.add_request(Request("more", [1], max_tokens=3))
+
+
+def test_abort_frees_at_once() -> None:
+    sched = Scheduler(num_blocks=9, block_size=BS, max_model_len=32)
+    r = Request("a", list(range(1, 11)), max_tokens=5)
+    sched.add_request(r)
+    out = sched.schedule()
+    assert sched.block_manager.num_free_blocks == 5
+    sched.abort("a")
+    assert sched.block_manager.num_free_blocks == 8
+    sched.block_manager.check_integrity()
+    nxt = sched.schedule()
+    assert nxt.finished_ids == ["a"] and out.new
