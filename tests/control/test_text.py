@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -152,7 +153,7 @@ def _run_stops(chunks: list[str], stops: list[str]) -> tuple[list[str], str | No
 )
 def test_stop_strings_property(text: str, stops: list[str], cuts: list[int]) -> None:
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out, matched = _run_stops(chunks, stops)
     hits = [i for s in stops if (i := text.find(s)) >= 0]
     expected = text[: min(hits)] if hits else text
