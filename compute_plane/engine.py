@@ -300,6 +300,12 @@ class Engine:
                 for r, p in zip(rows, penalised, strict=True)
             ],
             [len(r.state.token_ids) for r in rows],
+            [
+                r.state.sampling.banned_until_min
+                if len(r.state.token_ids) - r.state.num_prompt_tokens < r.state.sampling.min_tokens
+                else ()
+                for r in rows
+            ],
         )
         for i, r in enumerate(rows):
             tok = out.token_ids[i]

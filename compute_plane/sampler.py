@@ -30,12 +30,19 @@ def sample(
     prompt_token_ids: list[list[int]],  # per row, for the repetition penalty
     output_token_ids: list[list[int]],  # per row, generated so far (all penalties)
     positions: list[int],  # per row, index of the token being sampled
+    banned_ids: list[tuple[int, ...]] | None = None,  # per row, tokens that may not be sampled
 ) -> SampleOutput:
     """Pick one token per row. Logprobs are of the penalised distribution before temperature."""
-    if all(s.greedy and not s.penalised and not s.logprobs and not s.top_logprobs for s in specs):
+    plain = all(
+        s.greedy and not s.penalised and not s.logprobs and not s.top_logprobs for s in specs
+    )
+    if plain and not (banned_ids and any(banned_ids)):
         return SampleOutput(logits.argmax(dim=-1).tolist(), None, None, None)
 
     logits = logits.clone()
+    for i, banned in enumerate(banned_ids or []):
+        if banned:
+            logits[i, list(banned)] = -math.inf
     for i, s in enumerate(specs):
         if s.penalised:
             _apply_penalties(logits[i], s, prompt_token_ids[i], output_token_ids[i])

@@ -24,6 +24,8 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0
+    banned_until_min: tuple[int, ...] = ()  # EOS / stop ids masked before min_tokens
 
     @classmethod
     def from_proto(cls, p: pb.SamplingParams) -> SamplingSpec:
@@ -39,6 +41,8 @@ class SamplingSpec:
             presence_penalty=p.presence_penalty,
             logprobs=p.logprobs,
             top_logprobs=p.top_logprobs,
+            min_tokens=p.min_tokens,
+            banned_until_min=tuple(p.min_tokens_banned_ids),
         )
 
     @property
@@ -69,6 +73,8 @@ class SamplingSpec:
             v = getattr(self, name)
             if not (math.isfinite(v) and -2.0 <= v <= 2.0):
                 return f"{name} must be in [-2, 2], got {v}"
+        if self.min_tokens < 0:
+            return f"min_tokens must be >= 0, got {self.min_tokens}"
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
         return None

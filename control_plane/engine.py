@@ -106,6 +106,9 @@ class ControlEngine:
             raise AdmissionError(
                 f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})"
             )
+        eos_ids = set(self.tokenizer.eos_token_ids) | set(
+            self.description.eos_token_ids if self.description else ()
+        )
         stream_id = uuid.uuid4().hex
         stream = GenerateStream(stream_id, list(prompt_ids), [], self.tokenizer)
         for i in range(n):
@@ -120,6 +123,11 @@ class ControlEngine:
                 logprobs=params.logprobs,
                 top_logprobs=params.top_logprobs,
             )
+            if params.min_tokens:
+                # The compute plane masks these until min_tokens tokens exist.
+                banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+                sampling.min_tokens = params.min_tokens
+                sampling.min_tokens_banned_ids.extend(sorted(banned))
             if params.HasField("seed"):
                 sampling.seed = (params.seed + i) % (1 << 64)
             problem = SamplingSpec.from_proto(sampling).validate()
@@ -132,8 +140,7 @@ class ControlEngine:
                 sampling=sampling,
                 min_tokens=params.min_tokens,
                 ignore_eos=params.ignore_eos,
-                eos_token_ids=frozenset(self.tokenizer.eos_token_ids)
-                | frozenset(self.description.eos_token_ids if self.description else ()),
+                eos_token_ids=frozenset(eos_ids),
                 stop_token_ids=frozenset(params.stop_token_ids),
             )
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)

@@ -81,3 +81,13 @@ def test_logprobs_returned_when_asked(engine: Engine) -> None:
     assert r.top_logprobs[0].token_id == r.token_id  # greedy picks the most likely token
     assert r.logprob == pytest.approx(r.top_logprobs[0].logprob)
     assert r.top_logprobs[0].logprob >= r.top_logprobs[1].logprob >= r.top_logprobs[2].logprob
+
+
+def test_min_tokens_masks_banned_ids(engine: Engine) -> None:
+    greedy = _run(engine, {"g": (PROMPT, GREEDY)}, seed=0)["g"]
+    first = greedy[0]
+    # Ban the greedy first token until 3 tokens exist: the first token must change.
+    params = pb.SamplingParams(temperature=0.0, min_tokens=3, min_tokens_banned_ids=[first])
+    masked = _run(engine, {"m": (PROMPT, params)}, seed=0)["m"]
+    assert masked[0] != first
+    assert first not in masked[:3]
