@@ -57,9 +57,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from gateway.app import serve
+    from gateway.config import GatewayConfig
+
+    asyncio.run(serve(config_from_args(GatewayConfig, args)))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Compute plane, control plane and gateway as three processes on loopback."""
+    from hetero_infer.local import serve_stack
+
+    return serve_stack(args.model, args.host, args.port, list(args.compute_arg or []))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from compute_plane.config import ComputeConfig
     from control_plane.config import ControlConfig
+    from gateway.config import GatewayConfig
 
     parser = argparse.ArgumentParser(prog="hetero-infer", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -82,6 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
     p.add_argument("--verbose", action="store_true", help="show the planes' logs")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("gateway", help="serve the OpenAI HTTP API in front of a control plane")
+    add_dataclass_arguments(p, GatewayConfig)
+    p.set_defaults(func=_gateway)
+
+    p = sub.add_parser("serve", help="start compute plane, control plane and gateway locally")
+    p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
+    p.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
+    p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
+    p.add_argument(
+        "--compute-arg",
+        action="append",
+        help="extra flag for the compute plane, e.g. --compute-arg=--kv-cache-bytes=268435456",
+    )
+    p.set_defaults(func=_serve)
     return parser
 
 

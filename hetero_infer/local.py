@@ -89,3 +89,56 @@ def local_planes(
         ),
     ):
         yield control
+
+
+def wait_http_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+def serve_stack(model: str, host: str, port: int, compute_args: list[str]) -> int:
+    """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready."""
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with local_planes(model, quiet=False, extra_compute=tuple(compute_args)) as control:
+        gw = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetero_infer.cli",
+                "gateway",
+                "--host",
+                host,
+                "--port",
+                str(port),
+                "--control",
+                control,
+            ]
+        )
+        try:
+            wait_http_ready(f"http://{host}:{port}/ready", gw)
+            print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
+            while not stop and gw.poll() is None:
+                time.sleep(0.2)
+        finally:
+            stop_process(gw)
+    return 0

@@ -1,0 +1,57 @@
+"""OpenAI error objects, and the one mapping from failures to HTTP statuses."""
+
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+
+_GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+class APIError(Exception):
+    """An error to return to the client as `{"error": {...}}`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def from_grpc(e: grpc.aio.AioRpcError) -> APIError:
+    status, kind = _GRPC_TO_HTTP.get(e.code(), (500, "internal_error"))
+    param = "messages" if "chat" in (e.details() or "") else None
+    return APIError(
+        status, e.details() or e.code().name, type=kind, param=param, code=e.code().name.lower()
+    )

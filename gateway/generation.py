@@ -1,0 +1,154 @@
+"""Turn OpenAI requests into control-plane Generate calls and collect their outputs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.errors import APIError, from_grpc
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+
+FINISH = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+def generation_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> pb.GenerationParams:
+    p = pb.GenerationParams(
+        max_tokens=max_tokens or 0,
+        min_tokens=req.min_tokens,
+        n=req.n,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(0, req.top_k),
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        stop=req.stop or [],
+        stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+        skip_special_tokens=True,
+    )
+    if req.seed is not None:
+        p.seed = req.seed % (1 << 64)
+    return p
+
+
+def completion_calls(req: CompletionRequest) -> list[pb.GenerateRequest]:
+    """One Generate call per prompt (a batch of prompts gives n choices each)."""
+    params = generation_params(req, req.max_tokens, req.logprobs)
+    raw = req.prompt
+    one = isinstance(raw, str) or isinstance(raw[0], int)  # text or token ids, not a batch
+    prompts: list[str | list[int]] = [raw] if one else list(raw)  # type: ignore[list-item,arg-type]
+    calls = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            calls.append(pb.GenerateRequest(text=prompt, params=params))
+        else:
+            calls.append(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params))
+    return calls
+
+
+def chat_call(req: ChatCompletionRequest) -> pb.GenerateRequest:
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = generation_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    chat = pb.ChatInput(add_generation_prompt=True)
+    for m in req.messages:
+        role = "system" if m.role == "developer" else m.role
+        chat.messages.add(role=role, content=m.text())
+    return pb.GenerateRequest(chat=chat, params=params)
+
+
+@dataclass
+class ChoiceState:
+    """Everything streamed so far for one choice."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Delta:
+    index: int  # global choice index: prompt_index * n + choice index
+    choice: pb.ChoiceDelta
+
+
+async def stream_calls(
+    stub: pb_grpc.ControlPlaneStub, calls: list[pb.GenerateRequest], timeout: float
+) -> AsyncIterator[tuple[list[Delta], pb.Usage | None, list[list[int]] | None]]:
+    """Run the calls concurrently; yield (deltas, usage when all are done, prompt ids when known).
+
+    Cancelling the consumer cancels every gRPC call (the control plane then frees blocks).
+    """
+    n = calls[0].params.n or 1
+    queue: asyncio.Queue[tuple[int, pb.GenerateResponse] | BaseException | None] = asyncio.Queue()
+    rpcs = [stub.Generate(c, timeout=timeout) for c in calls]
+
+    async def pump(i: int, rpc: grpc.aio.UnaryStreamCall) -> None:
+        try:
+            async for resp in rpc:
+                await queue.put((i, resp))
+            await queue.put(None)
+        except grpc.aio.AioRpcError as e:
+            await queue.put(from_grpc(e))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(rpcs)]
+    prompt_ids: list[list[int]] = [[] for _ in calls]
+    usage = pb.Usage()
+    done = 0
+    try:
+        while done < len(calls):
+            item = await queue.get()
+            if item is None:
+                done += 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            i, resp = item
+            if resp.prompt_token_ids:
+                prompt_ids[i] = list(resp.prompt_token_ids)
+            if resp.HasField("usage"):
+                usage.prompt_tokens += resp.usage.prompt_tokens
+                usage.completion_tokens += resp.usage.completion_tokens
+                usage.cached_prompt_tokens += resp.usage.cached_prompt_tokens
+            deltas = [Delta(i * n + c.index, c) for c in resp.choices]
+            first = bool(resp.prompt_token_ids)
+            yield deltas, None, (prompt_ids if first and all(prompt_ids) else None)
+        yield [], usage, None
+    finally:
+        for r in rpcs:
+            r.cancel()
+        for t in tasks:
+            t.cancel()
+
+
+async def detokenize(stub: pb_grpc.ControlPlaneStub, ids: list[int]) -> str:
+    try:
+        resp = await stub.Detokenize(pb.DetokenizeRequest(token_ids=ids, skip_special_tokens=False))
+    except grpc.aio.AioRpcError as e:
+        raise from_grpc(e) from e
+    return resp.text
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist. Available: `{served}`.",
+            param="model",
+            code="model_not_found",
+        )
