@@ -35,3 +35,39 @@ def control_stack(
         args = ["control-plane", "--port", str(port), "--compute", compute, *control_args]
         with child(args, control):
             yield Stack(compute, control)
+
+
+@dataclass
+class FullStack(Stack):
+    url: str  # http://host:port
+
+
+@contextlib.contextmanager
+def gateway_stack(
+    compute_args: tuple[str, ...] = (), control_args: tuple[str, ...] = ()
+) -> Iterator[FullStack]:
+    """All three planes as separate processes; yields once the gateway reports ready."""
+    import subprocess
+    import sys
+
+    from hetero_infer.local import stop_process, wait_http_ready
+
+    with control_stack(compute_args, control_args) as s:
+        port = free_port()
+        gw = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetero_infer.cli",
+                "gateway",
+                "--port",
+                str(port),
+                "--control",
+                s.control,
+            ]
+        )
+        try:
+            wait_http_ready(f"http://127.0.0.1:{port}/ready", gw)
+            yield FullStack(s.compute, s.control, f"http://127.0.0.1:{port}")
+        finally:
+            stop_process(gw)

@@ -1,0 +1,301 @@
+"""The OpenAI API through a real three-process stack, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+from tests.procs import FullStack, gateway_stack
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[FullStack]:
+    with gateway_stack(("--kv-cache-bytes", str(128 << 20))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack: FullStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    (m,) = client.models.list().data
+    return m.id
+
+
+def _pool(stack: FullStack) -> pb.EngineStats:
+    with grpc.insecure_channel(stack.control) as ch:
+        return pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest()).stats
+
+
+def test_chat_answers_paris(client: openai.OpenAI, model: str) -> None:
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model=model, messages=msgs, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    assert "Paris" in (r.choices[0].message.content or "")
+    assert r.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=model,
+        messages=msgs,
+        temperature=0,
+        max_tokens=24,
+        stream=True,  # type: ignore[arg-type]
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == r.choices[0].message.content
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital"},
+                {"type": "text", "text": " of France?"},
+            ],
+        }
+    ]
+    r2 = client.chat.completions.create(model=model, messages=parts, temperature=0, max_tokens=24)  # type: ignore[arg-type]
+    assert r2.choices[0].message.content == r.choices[0].message.content
+
+
+def test_completion_stream_equals_plain_and_usage(
+    client: openai.OpenAI, model: str, hf_smollm2_tokenizer
+) -> None:  # type: ignore[no-untyped-def]
+    prompt = "The history of the printing press"
+    plain = client.completions.create(
+        model=model, prompt=prompt, temperature=0, max_tokens=30, extra_body={"ignore_eos": True}
+    )
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.usage is not None
+    assert plain.usage.completion_tokens == 30
+    assert plain.usage.prompt_tokens == len(hf_smollm2_tokenizer(prompt).input_ids)
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=prompt,
+            temperature=0,
+            max_tokens=30,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == plain.choices[0].text
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and not chunks[-1].choices
+    assert with_usage[0].usage == plain.usage
+
+
+def test_stop_strings_in_streaming(client: openai.OpenAI, model: str) -> None:
+    prompt = "Once upon a time, in a land far away,"
+    full = (
+        client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=40)
+        .choices[0]
+        .text
+    )
+    stop = full[len(full) // 2 : len(full) // 2 + 6]
+    chunks = client.completions.create(
+        model=model, prompt=prompt, temperature=0, max_tokens=40, stop=[stop, "zzqx"], stream=True
+    )
+    pieces = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in pieces) == full[: full.index(stop)]
+    assert pieces[-1].finish_reason == "stop"
+
+
+def test_n_with_seed_and_logprobs_and_echo(client: openai.OpenAI, model: str) -> None:
+    kw = dict(
+        model=model, prompt="My favourite animal is", max_tokens=12, temperature=1.0, n=2, seed=123
+    )
+    a = client.completions.create(**kw)  # type: ignore[call-overload]
+    b = client.completions.create(**kw)  # type: ignore[call-overload]
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert a.choices[0].text != a.choices[1].text  # each choice draws its own tokens
+
+    lp = (
+        client.completions.create(
+            model=model, prompt="Hello", max_tokens=5, temperature=0, logprobs=2
+        )
+        .choices[0]
+        .logprobs
+    )
+    assert (
+        lp is not None
+        and lp.tokens
+        and lp.token_logprobs
+        and lp.top_logprobs
+        and lp.text_offset is not None
+    )
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert all(x <= 0 for x in lp.token_logprobs)  # type: ignore[operator]
+    assert lp.text_offset[0] == 0
+
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,  # type: ignore[list-item]
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) >= 1
+    assert all(len(t.top_logprobs) == 3 and t.bytes is not None for t in content)
+    assert content[0].token == content[0].top_logprobs[0].token  # greedy = most likely
+
+    echo = client.completions.create(
+        model=model, prompt="Echo this", max_tokens=3, temperature=0, echo=True
+    )
+    plain = client.completions.create(model=model, prompt="Echo this", max_tokens=3, temperature=0)
+    assert echo.choices[0].text == "Echo this" + plain.choices[0].text
+
+
+ERROR_CASES = [
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": 100000},
+        400,
+        None,
+    ),  # too long: names the limit
+    ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50},
+        400,
+        "top_logprobs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), ERROR_CASES)
+def test_errors_in_openai_schema(
+    stack: FullStack, model: str, path: str, body: dict, status: int, param: str | None
+) -> None:  # type: ignore[type-arg]
+    body = {"model": model, **body}
+    r = httpx.post(stack.url + path, json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param
+    if body.get("max_tokens") == 100000:
+        limit = httpx.get(stack.url + "/v1/models").json()["data"][0]["max_model_len"]
+        assert f"maximum context length of {limit} tokens" in err["message"]
+    # The stack keeps serving.
+    ok = httpx.post(
+        stack.url + "/v1/completions",
+        json={"model": model, "prompt": "Hi", "max_tokens": 2},
+        timeout=60,
+    )
+    assert ok.status_code == 200
+
+
+def test_openapi_schema_is_served(stack: FullStack) -> None:
+    spec = httpx.get(stack.url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+
+
+def test_health_and_ready(stack: FullStack) -> None:
+    assert httpx.get(stack.url + "/health").status_code == 200
+    assert httpx.get(stack.url + "/ready").status_code == 200
+
+
+def test_gateway_greedy_equals_cli_generate(client: openai.OpenAI, model: str) -> None:
+    prompt = "The three primary colors are"
+    ours = (
+        client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=24)
+        .choices[0]
+        .text
+    )
+    cli = subprocess.run(
+        [sys.executable, "-m", "hetero_infer.cli", "generate", prompt, "--max-tokens", "24"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert cli.stdout.rstrip("\n") == ours
+
+
+def test_32_concurrent_streams_no_cross_talk(
+    stack: FullStack, client: openai.OpenAI, model: str
+) -> None:
+    subjects = ["cats", "dogs", "rivers", "mountains", "bread", "music", "rain", "trains"]
+    prompts = [f"Tell me about {s} number {i}:" for i in range(4) for s in subjects]
+    alone = [
+        client.completions.create(model=model, prompt=p, temperature=0, max_tokens=8)
+        .choices[0]
+        .text
+        for p in prompts
+    ]
+    aclient = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(p: str) -> str:
+        stream = await aclient.completions.create(
+            model=model, prompt=p, temperature=0, max_tokens=8, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    assert asyncio.run(main()) == alone
+
+
+def test_killed_client_frees_blocks_within_a_second(stack: FullStack, model: str) -> None:
+    script = textwrap.dedent(
+        f"""
+        import openai, sys
+        c = openai.OpenAI(base_url="{stack.url}/v1", api_key="x", max_retries=0)
+        s = c.completions.create(model="{model}", prompt="Write a long story:", max_tokens=2000,
+                                 temperature=0, stream=True, extra_body={{"ignore_eos": True}})
+        for i, _ in enumerate(s):
+            if i == 3:
+                print("streaming", flush=True)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "streaming"
+    assert _pool(stack).num_running == 1
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = time.monotonic()
+    while time.monotonic() - killed < 1.0:
+        st = _pool(stack)
+        if st.num_free_kv_blocks == st.num_usable_kv_blocks and st.num_running == 0:
+            break
+        time.sleep(0.02)
+    assert st.num_free_kv_blocks == st.num_usable_kv_blocks, st
+    assert st.integrity_ok, st.integrity_error
