@@ -147,8 +147,9 @@ class ControlEngine:
             stream.choices.append(Choice(i, req, detok, StopChecker(list(params.stop))))
         added: list[Request] = []
         try:
+            first = stream.choices[0].request
             for c in stream.choices:
-                sched.add_request(c.request)
+                sched.add_request(c.request, fork_of=None if c.request is first else first)
                 added.append(c.request)
         except Exception:
             for r in added:

@@ -81,10 +81,14 @@ class Scheduler:
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
         self._dropped: list[str] = []  # ids the compute plane must forget in the next step
+        # n > 1: sibling choices wait here until the first choice's prompt is computed,
+        # then fork its prompt blocks instead of computing the prompt again.
+        self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, fork_of: Request | None = None) -> None:
+        """Queue a request; with `fork_of`, it shares that request's prompt blocks (n > 1)."""
         total = req.num_prompt_tokens + req.max_tokens
         if req.num_prompt_tokens == 0:
             raise AdmissionError("the prompt is empty")
@@ -97,17 +101,27 @@ class Scheduler:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if fork_of is not None and fork_of.request_id in self.requests:
+            assert fork_of.token_ids[: fork_of.num_prompt_tokens] == req.prompt_token_ids
+            self.pending_forks.setdefault(fork_of.request_id, []).append(req)
+        else:
+            self.waiting.append(req)
 
     def finish(self, request_id: str, status: Status) -> Request | None:
         """End a request now (abort, stop string): its blocks are freed at once."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        siblings = self.pending_forks.pop(request_id, [])
+        self.waiting.extendleft(reversed(siblings))  # they compute their own prompt now
         if req.status == Status.RUNNING:
             self.running.remove(req)
-        else:
+        elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            for waiting_siblings in self.pending_forks.values():
+                if req in waiting_siblings:
+                    waiting_siblings.remove(req)
         self._release(req)
         req.status = status
         return req
@@ -151,13 +165,14 @@ class Scheduler:
             self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            prefix = self.block_manager.find_prefix(req)
-            hit = len(prefix) * self.block_manager.block_size
+            forked = req.request_id in self.block_manager.tables  # holds its parent's blocks
+            prefix = [] if forked else self.block_manager.find_prefix(req)
+            hit = req.num_computed_tokens if forked else len(prefix) * self.block_manager.block_size
             req.num_computed_tokens = hit
             n = min(req.num_tokens - hit, budget)
             new_ids = self.block_manager.allocate(req, n, prefix)
             if new_ids is None:
-                req.num_computed_tokens = 0
+                req.num_computed_tokens = hit if forked else 0
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
@@ -188,6 +203,11 @@ class Scheduler:
                 continue  # aborted while the step was in flight
             req.num_computed_tokens += n
             self.block_manager.cache_computed(req)
+            if (
+                req.request_id in self.pending_forks
+                and req.num_computed_tokens >= req.num_prompt_tokens
+            ):
+                self._fork_siblings(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -199,6 +219,12 @@ class Scheduler:
         return finished
 
     # ---------------------------------------------------------------- helpers
+    def _fork_siblings(self, parent: Request) -> None:
+        siblings = self.pending_forks.pop(parent.request_id)
+        for child in siblings:
+            self.block_manager.fork(parent, child)
+        self.waiting.extendleft(reversed(siblings))
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)

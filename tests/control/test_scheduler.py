@@ -55,15 +55,19 @@ def _check_step(sched: Scheduler, out: SchedulerOutput, compute: FakeCompute) ->
     waiting = {r.request_id for r in sched.waiting}
     running = {r.request_id for r in sched.running}
     assert not waiting & running
-    assert waiting | running == set(sched.requests)
+    pending = {r.request_id for sibs in sched.pending_forks.values() for r in sibs}
+    assert not (waiting | running) & pending
+    assert waiting | running | pending == set(sched.requests)
     sched.block_manager.check_integrity()
     # The compute plane's view, rebuilt from diffs alone, equals the block manager's tables.
     for rid, table in compute.tables.items():
         assert table == sched.block_manager.block_ids(rid), rid
 
 
-def _run(sched: Scheduler, requests: list[Request], seed: int) -> None:
-    compute = FakeCompute(random.Random(seed))
+def _run(
+    sched: Scheduler, requests: list[Request], seed: int, compute: FakeCompute | None = None
+) -> None:
+    compute = compute or FakeCompute(random.Random(seed))
     for r in requests:
         sched.add_request(r)
     for _ in range(5000):
@@ -187,3 +191,42 @@ def test_abort_frees_at_once() -> None:
     sched.block_manager.check_integrity()
     nxt = sched.schedule()
     assert nxt.finished_ids == ["a"] and out.new
+
+
+def test_n_siblings_fork_the_prompt_blocks() -> None:
+    # Prefix caching off: any sharing must come from the fork.
+    sched = Scheduler(num_blocks=20, block_size=BS, max_model_len=40, enable_prefix_caching=False)
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
+    first = Request("c0", prompt, max_tokens=3, ignore_eos=True)
+    sched.add_request(first)
+    siblings = [Request(f"c{i}", prompt, max_tokens=3, ignore_eos=True) for i in (1, 2)]
+    for s in siblings:
+        sched.add_request(s, fork_of=first)
+    compute = FakeCompute(random.Random(0))
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.new] == ["c0"]  # siblings wait for the prompt
+    parent_blocks = list(out.new[0].block_ids)
+    sched.update(out, compute.step(out))
+    out = sched.schedule()
+    forked = {s.request.request_id: s for s in out.new}
+    assert set(forked) == {"c1", "c2"}
+    for s in forked.values():
+        assert s.num_computed_tokens == 8 and s.num_scheduled_tokens == 2
+        assert s.block_ids[:2] == parent_blocks[:2] and s.block_ids[2] not in parent_blocks
+    assert [sched.block_manager.pool.blocks[b].ref_cnt for b in parent_blocks[:2]] == [3, 3]
+    sched.update(out, compute.step(out))
+    _run(sched, [], seed=0, compute=compute)
+    assert all(r.num_output_tokens == 3 for r in [first, *siblings])
+    assert sched.block_manager.num_free_blocks == 19
+
+
+def test_aborting_the_first_choice_releases_its_siblings() -> None:
+    sched = Scheduler(num_blocks=20, block_size=BS, max_model_len=40)
+    first = Request("c0", [1, 2, 3], max_tokens=2)
+    sib = Request("c1", [1, 2, 3], max_tokens=2)
+    sched.add_request(first)
+    sched.add_request(sib, fork_of=first)
+    sched.abort("c0")
+    assert list(sched.waiting) == [sib]
+    sched.abort("c1")
+    assert not sched.has_work or sched.schedule().finished_ids == []
