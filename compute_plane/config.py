@@ -27,6 +27,9 @@ class ComputeConfig:
         default=None,
         metadata={"help": "cap on prompt + output tokens (default: the model's context length)"},
     )
+    metrics_port: int = field(
+        default=8002, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"}
+    )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compute_plane import metrics
 from compute_plane.attention import AttentionMetadata
 from compute_plane.config import ComputeConfig
 from compute_plane.kv_cache import KVCache, num_blocks_for_budget
@@ -76,10 +77,30 @@ class Engine:
         self.num_blocks = num_blocks
         self.requests: dict[str, RequestState] = {}
         self.counters = pb.StatsResponse()
+        self._metric_labels = {"model_name": self.model_name}
+        self._init_metrics(loaded)
         # Tests of numeric parity turn this on to see the logits of every computed
         # token (the serving path only computes logits of the tokens it samples).
         self.capture_logits = False
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
+
+    def _init_metrics(self, loaded: LoadedModel) -> None:
+        m = self._metric_labels
+        metrics.kv_blocks_total.labels(**m).set(self.num_blocks)
+        metrics.kv_blocks_used.labels(**m).set_function(self._blocks_in_use)
+        weights = sum(t.nbytes for t in loaded.weights.values())
+        held = (
+            torch.cuda.memory_allocated()
+            if self.device.type == "cuda"
+            else weights + self.kv_cache.nbytes
+        )
+        metrics.device_memory_used.labels(**m).set(held)
+
+    def _blocks_in_use(self) -> int:
+        tables = [
+            st.block_ids for st in list(self.requests.values())
+        ]  # copy: read from the scrape thread
+        return len({b for t in tables for b in t})
 
     # ------------------------------------------------------------------ API
     def describe(self) -> pb.DescribeResponse:
@@ -278,6 +299,12 @@ class Engine:
             c.num_prompt_tokens_computed += prompt_part
             c.num_output_tokens_computed += r.count - prompt_part
             r.state.num_computed_tokens += r.count
+        decodes = meta.num_decodes
+        kind = "decode" if decodes == len(rows) else "prefill" if decodes == 0 else "mixed"
+        m = self._metric_labels
+        metrics.step_duration.labels(kind=kind, **m).observe((t2 - t0) / 1e9)
+        metrics.tokens_per_step.labels(**m).observe(len(ids))
+        metrics.seqs_per_step.labels(**m).observe(len(rows))
         result.num_tokens = len(ids)
         result.num_seqs = len(rows)
         result.forward_ns = t1 - t0

@@ -11,14 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from compute_plane import metrics
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, StepRejected
 from hetero_proto import compute_pb2 as pb
@@ -102,6 +105,8 @@ async def serve(config: ComputeConfig) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
+    if config.metrics_port:
+        prometheus_client.start_http_server(config.metrics_port, addr=config.host)
     await server.start()
     log.info("compute plane listening on %s; loading %s", address, config.model)
 
@@ -111,12 +116,16 @@ async def serve(config: ComputeConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     def load() -> Engine:
+        started = time.perf_counter()
         if config.num_threads:
             import torch
 
             torch.set_num_threads(config.num_threads)
         engine = Engine(config, load_model(resolve_model_path(config.model), progress=True))
         engine.warmup()
+        metrics.model_load_seconds.labels(model_name=engine.model_name).set(
+            time.perf_counter() - started
+        )
         return engine
 
     load_task: asyncio.Future[Engine] = loop.run_in_executor(servicer.executor, load)

@@ -7,6 +7,7 @@ several can sit behind one control plane later.
 from __future__ import annotations
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
@@ -29,6 +30,7 @@ class ComputeClient:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = pb_grpc.ComputePlaneStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
         self._run: grpc.aio.StreamStreamCall | None = None
         self.description: pb.DescribeResponse | None = None
 
@@ -41,8 +43,21 @@ class ComputeClient:
             raise ComputeLinkError(
                 f"compute plane {self.address}: {e.code().name}: {e.details()}"
             ) from e
+        if self._run is not None:
+            self._run.cancel()
         self._run = self.stub.Run()
         return self.description
+
+    async def alive(self, timeout: float = 2.0) -> bool:
+        """False when the compute plane refuses connections or reports NOT_SERVING.
+
+        A slow answer is not a death: only UNAVAILABLE counts.
+        """
+        try:
+            r = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            return e.code() != grpc.StatusCode.UNAVAILABLE
+        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def step(self, request: pb.StepRequest) -> pb.StepResult:
         """Send one step and wait for its result."""

@@ -15,6 +15,9 @@ class ControlConfig:
     model: str = field(
         default="default", metadata={"help": "tokenizer source: HF folder, .gguf, or 'default'"}
     )
+    metrics_port: int = field(
+        default=8001, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"}
+    )
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     max_model_len: int | None = field(

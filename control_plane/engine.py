@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
 from compute_plane.sampling_params import SamplingSpec
+from control_plane import metrics
 from control_plane.compute_client import ComputeClient, ComputeLinkError, StepFailed
 from control_plane.config import ControlConfig
 from control_plane.detokenizer import IncrementalDetokenizer
@@ -50,14 +52,20 @@ class ControlEngine:
         self._step_id = 0
         self._task: asyncio.Task[None] | None = None
         self.attached = asyncio.Event()
+        self.labels = {"model_name": "unknown"}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._lost = False  # set by the watchdog when the compute plane stops answering
+        self._watchdog: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="control-step-loop")
+        self._watchdog = asyncio.create_task(self._watch(), name="compute-watchdog")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in (self._task, self._watchdog):
+            if task:
+                task.cancel()
         await self.client.close()
 
     async def _attach(self) -> None:
@@ -75,6 +83,9 @@ class ControlEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.description = d
+        self.labels = {"model_name": d.model_name}
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        metrics.compute_attached.labels(**self.labels).set(1)
         self.attached.set()
         log.info(
             "attached compute plane %s: %s, %d blocks of %d, max_model_len %d",
@@ -156,6 +167,7 @@ class ControlEngine:
                 sched.abort(r.request_id)
             raise
         self.streams[stream_id] = stream
+        metrics.prompt_tokens.labels(**self.labels).inc(len(prompt_ids))
         for c in stream.choices:
             self.choices[c.request.request_id] = (stream, c)
         self._wake.set()
@@ -189,15 +201,33 @@ class ControlEngine:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
+    async def _watch(self, interval: float = 0.5) -> None:
+        """Notice a dead compute plane while idle (a step in flight notices by itself)."""
+        misses = 0
+        while True:
+            await asyncio.sleep(interval)
+            if not self.attached.is_set():
+                misses = 0
+                continue
+            misses = 0 if await self.client.alive() else misses + 1
+            if misses >= 2:
+                self._lost = True
+                self._wake.set()
+
     async def _loop(self) -> None:
         sched = self.scheduler
         assert sched is not None
         while True:
+            if self._lost:
+                self._lost = False
+                raise ComputeLinkError("the compute plane stopped answering health checks")
             if not sched.has_work:
+                self._observe_pool()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             out = sched.schedule()
+            self._observe_pool()
             if out.empty:
                 self._wake.clear()
                 await self._wake.wait()
@@ -207,6 +237,26 @@ class ControlEngine:
             sampled = {r.request_id: r.token_id for r in result.results}
             finished = {r.request_id for r in sched.update(out, sampled)}
             self._emit(result, finished)
+            self._observe_pool()
+
+    def _observe_pool(self) -> None:
+        """Gauges and the counters the scheduler keeps, pushed to Prometheus."""
+        sched = self.scheduler
+        if sched is None:
+            return
+        m = self.labels
+        bm = sched.block_manager
+        metrics.requests_running.labels(**m).set(len(sched.running))
+        metrics.requests_waiting.labels(**m).set(len(sched.waiting))
+        metrics.kv_cache_usage.labels(**m).set(bm.usage)
+        for key, now, counter in (
+            ("preemptions", sched.num_preemptions, metrics.preemptions),
+            ("queries", bm.prefix_queries, metrics.prefix_queries),
+            ("hits", bm.prefix_hits, metrics.prefix_hits),
+        ):
+            if now > self._seen[key]:
+                counter.labels(**m).inc(now - self._seen[key])
+                self._seen[key] = now
 
     def _to_step(self, out: SchedulerOutput) -> cpb.StepRequest:
         step = cpb.StepRequest(step_id=self._step_id, finished_ids=out.finished_ids)
@@ -238,6 +288,7 @@ class ControlEngine:
             if entry is None:
                 continue  # aborted while the step ran
             stream, choice = entry
+            self._observe_token(stream, choice)
             delta, matched = stream.token_delta(choice, r)
             req = choice.request
             if matched is not None:
@@ -257,9 +308,34 @@ class ControlEngine:
                 stream.num_cached_tokens = req.num_cached_tokens
         for stream, resp in touched.values():
             if stream.done:
+                self._observe_finished(stream)
                 resp.usage.CopyFrom(stream.usage())
                 self.streams.pop(stream.stream_id, None)
             stream.queue.put_nowait(resp)
+
+    def _observe_token(self, stream: GenerateStream, choice: Choice) -> None:
+        now = time.monotonic()
+        m = self.labels
+        metrics.generation_tokens.labels(**m).inc()
+        if stream.first_token_time is None:
+            stream.first_token_time = now
+            metrics.ttft.labels(**m).observe(now - stream.arrival_time)
+        if choice.last_token_time is not None:
+            metrics.itl.labels(**m).observe(now - choice.last_token_time)
+        choice.last_token_time = now
+
+    def _observe_finished(self, stream: GenerateStream) -> None:
+        now = time.monotonic()
+        m = self.labels
+        first = stream.choices[0].request
+        reason = first.status.value
+        metrics.request_success.labels(finished_reason=reason, **m).inc()
+        metrics.e2e.labels(**m).observe(now - stream.arrival_time)
+        scheduled = min((c.request.first_scheduled_time or now) for c in stream.choices)
+        metrics.queue_time.labels(**m).observe(scheduled - stream.arrival_time)
+        first_token = stream.first_token_time or now
+        metrics.prefill_time.labels(**m).observe(first_token - scheduled)
+        metrics.decode_time.labels(**m).observe(now - first_token)
 
     def _fail_all(self, error: Exception) -> None:
         for stream in list(self.streams.values()):
@@ -267,3 +343,7 @@ class ControlEngine:
         self.streams.clear()
         self.choices.clear()
         self.scheduler = None
+        metrics.compute_attached.labels(**self.labels).set(0)
+        metrics.requests_running.labels(**self.labels).set(0)
+        metrics.requests_waiting.labels(**self.labels).set(0)
+        metrics.kv_cache_usage.labels(**self.labels).set(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from control_plane.detokenizer import IncrementalDetokenizer
@@ -26,6 +27,7 @@ class Choice:
     detok: IncrementalDetokenizer
     stop: StopChecker
     finished: bool = False
+    last_token_time: float | None = None
 
 
 @dataclass(eq=False)
@@ -38,6 +40,8 @@ class GenerateStream:
     tokenizer: TokenizerWrapper
     queue: asyncio.Queue[pb.GenerateResponse | BaseException] = field(default_factory=asyncio.Queue)
     num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
     prompt_sent: bool = False
 
     @property

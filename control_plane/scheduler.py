@@ -14,6 +14,7 @@ full, the others as appended block ids and a token count.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -180,6 +181,8 @@ class Scheduler:
                 self.block_manager.prefix_queries += req.num_prompt_tokens
                 self.block_manager.prefix_hits += hit
             req.status = Status.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             planned[req] = (new_ids, n)
             budget -= n

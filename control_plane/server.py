@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import prometheus_client
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -166,6 +167,8 @@ async def serve(config: ControlConfig) -> None:
     )
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
+    if config.metrics_port:
+        prometheus_client.start_http_server(config.metrics_port, addr=config.host)
     await server.start()
     await engine.start()
     log.info("control plane listening on %s, compute plane %s", address, config.compute)

@@ -25,6 +25,7 @@ from gateway.generation import (
     detokenize,
     stream_calls,
 )
+from gateway.metrics import instrument
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -129,6 +130,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="hetero-paged-infer", version="0.1.0", description="OpenAI-compatible API")
     link = ControlLink(config)
     app.state.link = link
+    instrument(app)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:

@@ -70,23 +70,24 @@ def child(args: list[str], address: str, quiet: bool = False) -> Iterator[subpro
 
 @contextlib.contextmanager
 def local_planes(
-    model: str, quiet: bool = True, extra_compute: tuple[str, ...] = ()
+    model: str,
+    quiet: bool = True,
+    extra_compute: tuple[str, ...] = (),
+    metrics_ports: tuple[int, int] | None = None,
 ) -> Iterator[str]:
-    """Compute and control planes on free loopback ports; yields the control plane address."""
+    """Compute and control planes on free loopback ports; yields the control plane address.
+
+    metrics_ports: the (compute, control) /metrics ports; default: free ones.
+    """
     cport, kport = free_port(), free_port()
+    kmetrics, cmetrics = metrics_ports or (free_port(), free_port())
     compute = f"127.0.0.1:{kport}"
     control = f"127.0.0.1:{cport}"
+    compute_args = ["compute-plane", "--model", model, "--port", str(kport)]
+    control_args = ["control-plane", "--model", model, "--port", str(cport), "--compute", compute]
     with (
-        child(
-            ["compute-plane", "--model", model, "--port", str(kport), *extra_compute],
-            compute,
-            quiet,
-        ),
-        child(
-            ["control-plane", "--model", model, "--port", str(cport), "--compute", compute],
-            control,
-            quiet,
-        ),
+        child([*compute_args, "--metrics-port", str(kmetrics), *extra_compute], compute, quiet),
+        child([*control_args, "--metrics-port", str(cmetrics)], control, quiet),
     ):
         yield control
 
@@ -119,7 +120,10 @@ def serve_stack(model: str, host: str, port: int, compute_args: list[str]) -> in
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with local_planes(model, quiet=False, extra_compute=tuple(compute_args)) as control:
+    metrics = (8002, 8001)  # the defaults of compute-plane and control-plane
+    with local_planes(
+        model, quiet=False, extra_compute=tuple(compute_args), metrics_ports=metrics
+    ) as control:
         gw = subprocess.Popen(
             [
                 sys.executable,

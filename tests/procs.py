@@ -10,11 +10,14 @@ from hetero_infer.local import child, free_port
 
 
 @contextlib.contextmanager
-def compute_plane(*extra: str) -> Iterator[str]:
+def compute_plane(
+    *extra: str, port: int | None = None, metrics_port: int | None = None
+) -> Iterator[str]:
     """A compute plane with the bundled model on a free port; yields its address."""
-    port = free_port()
+    port = port or free_port()
     address = f"127.0.0.1:{port}"
-    with child(["compute-plane", "--port", str(port), *extra], address):
+    metrics = str(metrics_port or free_port())
+    with child(["compute-plane", "--port", str(port), "--metrics-port", metrics, *extra], address):
         yield address
 
 
@@ -22,6 +25,8 @@ def compute_plane(*extra: str) -> Iterator[str]:
 class Stack:
     compute: str
     control: str
+    compute_metrics: int = 0  # /metrics ports
+    control_metrics: int = 0
 
 
 @contextlib.contextmanager
@@ -29,17 +34,18 @@ def control_stack(
     compute_args: tuple[str, ...] = (), control_args: tuple[str, ...] = ()
 ) -> Iterator[Stack]:
     """Compute plane + control plane, each its own process, bundled model on the CPU."""
-    with compute_plane(*compute_args) as compute:
+    kmetrics, cmetrics = free_port(), free_port()
+    with compute_plane(*compute_args, metrics_port=kmetrics) as compute:
         port = free_port()
         control = f"127.0.0.1:{port}"
-        args = ["control-plane", "--port", str(port), "--compute", compute, *control_args]
-        with child(args, control):
-            yield Stack(compute, control)
+        args = ["control-plane", "--port", str(port), "--compute", compute]
+        with child([*args, "--metrics-port", str(cmetrics), *control_args], control):
+            yield Stack(compute, control, kmetrics, cmetrics)
 
 
 @dataclass
 class FullStack(Stack):
-    url: str  # http://host:port
+    url: str = ""  # http://host:port
 
 
 @contextlib.contextmanager
@@ -68,6 +74,12 @@ def gateway_stack(
         )
         try:
             wait_http_ready(f"http://127.0.0.1:{port}/ready", gw)
-            yield FullStack(s.compute, s.control, f"http://127.0.0.1:{port}")
+            yield FullStack(
+                s.compute,
+                s.control,
+                s.compute_metrics,
+                s.control_metrics,
+                f"http://127.0.0.1:{port}",
+            )
         finally:
             stop_process(gw)

@@ -1,0 +1,40 @@
+"""Prometheus metrics of the compute plane (served on their own port, default 8002)."""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge, Histogram
+
+L = ("model_name",)
+
+step_duration = Histogram(
+    "hetero_compute_step_duration_seconds",
+    "Forward + sampling time of one step, by kind (prefill, decode, mixed)",
+    (*L, "kind"),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+tokens_per_step = Histogram(
+    "hetero_compute_tokens_per_step",
+    "Tokens computed in one step",
+    L,
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+)
+seqs_per_step = Histogram(
+    "hetero_compute_seqs_per_step",
+    "Requests in one step",
+    L,
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+)
+kv_blocks_total = Gauge(
+    "hetero_compute_kv_blocks_total", "KV blocks allocated (null block included)", L
+)
+kv_blocks_used = Gauge(
+    "hetero_compute_kv_blocks_used", "KV blocks in the page tables of active requests", L
+)
+device_memory_used = Gauge(
+    "hetero_compute_device_memory_used_bytes",
+    "Device memory held: weights + KV cache (CUDA: allocator's figure)",
+    L,
+)
+model_load_seconds = Gauge(
+    "hetero_compute_model_load_seconds", "Time to load and warm up the model", L
+)

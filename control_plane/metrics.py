@@ -1,0 +1,53 @@
+"""Prometheus metrics of the control plane (served on their own port, default 8001).
+
+Names follow Prometheus conventions (base units, `_total` counters); each carries a
+`model_name` label. docs/metrics.md maps them to vLLM's.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+L = ("model_name",)
+
+requests_running = Gauge("hetero_requests_running", "Requests in the running batch", L)
+requests_waiting = Gauge("hetero_requests_waiting", "Requests waiting to be scheduled", L)
+kv_cache_usage = Gauge(
+    "hetero_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1)", L
+)
+preemptions = Counter("hetero_preemptions", "Requests preempted by recompute", L)
+prefix_queries = Counter(
+    "hetero_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", L
+)
+prefix_hits = Counter("hetero_prefix_cache_hits", "Prompt tokens found in the prefix cache", L)
+prompt_tokens = Counter("hetero_prompt_tokens", "Prompt tokens of admitted requests", L)
+generation_tokens = Counter("hetero_generation_tokens", "Generated tokens", L)
+request_success = Counter(
+    "hetero_request_success", "Finished requests by finish reason", (*L, "finished_reason")
+)
+ttft = Histogram(
+    "hetero_time_to_first_token_seconds", "Arrival to first token", L, buckets=LATENCY_BUCKETS
+)
+itl = Histogram(
+    "hetero_inter_token_latency_seconds",
+    "Time between consecutive tokens of a request",
+    L,
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+e2e = Histogram(
+    "hetero_e2e_request_latency_seconds", "Arrival to finish", L, buckets=LATENCY_BUCKETS
+)
+queue_time = Histogram(
+    "hetero_request_queue_time_seconds", "Arrival to first scheduled", L, buckets=LATENCY_BUCKETS
+)
+prefill_time = Histogram(
+    "hetero_request_prefill_time_seconds",
+    "First scheduled to first token",
+    L,
+    buckets=LATENCY_BUCKETS,
+)
+decode_time = Histogram(
+    "hetero_request_decode_time_seconds", "First token to finish", L, buckets=LATENCY_BUCKETS
+)
+compute_attached = Gauge("hetero_compute_attached", "1 while a compute plane is attached", L)

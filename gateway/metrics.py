@@ -1,0 +1,44 @@
+"""Prometheus metrics of the gateway, served at /metrics on its HTTP port."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+from prometheus_client import Counter, Gauge, Histogram, make_asgi_app
+
+requests_total = Counter(
+    "hetero_http_requests", "HTTP requests by route and status", ("route", "status")
+)
+in_flight = Gauge("hetero_http_requests_in_flight", "HTTP requests being handled")
+duration = Histogram(
+    "hetero_http_request_duration_seconds",
+    "Time to the response head (streams: to the first byte of the stream)",
+    ("route",),
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+
+
+def instrument(app: FastAPI) -> None:
+    app.mount("/metrics", make_asgi_app())
+
+    @app.middleware("http")
+    async def _measure(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if request.url.path.startswith("/metrics"):
+            return await call_next(request)
+        in_flight.inc()
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            in_flight.dec()
+            route = request.scope.get("route")
+            path = getattr(route, "path", "other")
+            duration.labels(route=path).observe(time.perf_counter() - start)
+            requests_total.labels(route=path, status=str(status)).inc()
