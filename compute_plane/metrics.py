@@ -25,7 +25,7 @@ seqs_per_step = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
 )
 kv_blocks_total = Gauge(
-    "hetero_compute_kv_blocks_total", "KV blocks allocated (null block included)", L
+    "hetero_compute_kv_blocks_allocated", "KV blocks in the cache (null block included)", L
 )
 kv_blocks_used = Gauge(
     "hetero_compute_kv_blocks_used", "KV blocks in the page tables of active requests", L

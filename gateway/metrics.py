@@ -6,7 +6,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
-from prometheus_client import Counter, Gauge, Histogram, make_asgi_app
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 requests_total = Counter(
     "hetero_http_requests", "HTTP requests by route and status", ("route", "status")
@@ -21,7 +21,9 @@ duration = Histogram(
 
 
 def instrument(app: FastAPI) -> None:
-    app.mount("/metrics", make_asgi_app())
+    @app.get("/metrics", include_in_schema=False)
+    async def _metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.middleware("http")
     async def _measure(
