@@ -18,12 +18,11 @@ from typing import Any, TypeVar
 
 import grpc
 import prometheus_client
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from compute_plane import metrics
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, StepRejected
+from hetero_infer.grpc_health import HealthReporter
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 
@@ -91,18 +90,8 @@ async def serve(config: ComputeConfig) -> None:
     server = grpc.aio.server()
     servicer = ComputeServicer()
     pb_grpc.add_ComputePlaneServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health = HealthReporter(server, SERVICE_NAME)
+    await health.set(False)
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     if config.metrics_port:
@@ -135,8 +124,7 @@ async def serve(config: ComputeConfig) -> None:
     if load_task in done:
         servicer.engine = load_task.result()
         d = servicer.engine.describe()
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health.set(True)
         log.info(
             "compute plane ready on %s: %s, %d KV blocks of %d tokens, max_model_len %d",
             address,

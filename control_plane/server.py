@@ -15,14 +15,13 @@ from pathlib import Path
 
 import grpc
 import prometheus_client
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from control_plane.chat_template import ChatTemplateError
 from control_plane.config import ControlConfig
 from control_plane.engine import ComputeUnavailable, ControlEngine
 from control_plane.scheduler import AdmissionError, QueueFullError
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
+from hetero_infer.grpc_health import HealthReporter
 from hetero_infer.model_path import model_display_name, resolve_model_path
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -155,16 +154,7 @@ async def serve(config: ControlConfig) -> None:
     pb_grpc.add_ControlPlaneServicer_to_server(
         ControlServicer(engine, model_display_name(path)), server
     )
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    health = HealthReporter(server, SERVICE_NAME)
     address = f"{config.host}:{config.port}"
     server.add_insecure_port(address)
     if config.metrics_port:
@@ -180,17 +170,11 @@ async def serve(config: ControlConfig) -> None:
 
     async def follow_attachment() -> None:
         """Health is SERVING only while a compute plane is attached."""
-        serving = None
+        serving: bool | None = None
         while True:
             now = engine.attached.is_set()
             if now != serving:
-                status = (
-                    health_pb2.HealthCheckResponse.SERVING
-                    if now
-                    else health_pb2.HealthCheckResponse.NOT_SERVING
-                )
-                for name in ("", SERVICE_NAME):
-                    await health_servicer.set(name, status)
+                await health.set(now)
                 serving = now
             await asyncio.sleep(0.2)
 

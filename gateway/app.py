@@ -18,9 +18,9 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.generation import (
     FINISH,
-    ChoiceState,
     chat_call,
     check_model,
+    collect_calls,
     completion_calls,
     detokenize,
     stream_calls,
@@ -269,20 +269,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect() -> dict[str, Any]:
-            states: dict[int, ChoiceState] = {}
-            usage = pb.Usage()
-            echo = [""] * len(calls)
-            async for deltas, u, prompt_ids in stream_calls(stub, calls, config.request_timeout):
-                if prompt_ids is not None:
-                    echo = await prefixes(prompt_ids)
-                for d in deltas:
-                    st = states.setdefault(d.index, ChoiceState())
-                    st.text += d.choice.text
-                    st.logprobs.extend(d.choice.logprobs)
-                    if d.choice.finish_reason:
-                        st.finish_reason = FINISH.get(d.choice.finish_reason)
-                if u is not None:
-                    usage = u
+            states, usage, prompt_ids = await collect_calls(stub, calls, config.request_timeout)
+            echo = await prefixes(prompt_ids)
             choices = []
             for idx in sorted(states):
                 st = states[idx]
@@ -372,17 +360,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect() -> dict[str, Any]:
-            states: dict[int, ChoiceState] = {}
-            usage = pb.Usage()
-            async for deltas, u, _ in stream_calls(stub, calls, config.request_timeout):
-                for d in deltas:
-                    st = states.setdefault(d.index, ChoiceState())
-                    st.text += d.choice.text
-                    st.logprobs.extend(d.choice.logprobs)
-                    if d.choice.finish_reason:
-                        st.finish_reason = FINISH.get(d.choice.finish_reason)
-                if u is not None:
-                    usage = u
+            states, usage, _ = await collect_calls(stub, calls, config.request_timeout)
             return {
                 "id": rid,
                 "object": "chat.completion",

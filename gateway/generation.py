@@ -152,3 +152,24 @@ def check_model(requested: str, served: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+async def collect_calls(
+    stub: pb_grpc.ControlPlaneStub, calls: list[pb.GenerateRequest], timeout: float
+) -> tuple[dict[int, ChoiceState], pb.Usage, list[list[int]]]:
+    """Run the calls to the end: each choice's text, logprobs and finish reason, usage, prompts."""
+    states: dict[int, ChoiceState] = {}
+    usage = pb.Usage()
+    prompts: list[list[int]] = [[] for _ in calls]
+    async for deltas, u, prompt_ids in stream_calls(stub, calls, timeout):
+        if prompt_ids is not None:
+            prompts = prompt_ids
+        for d in deltas:
+            st = states.setdefault(d.index, ChoiceState())
+            st.text += d.choice.text
+            st.logprobs.extend(d.choice.logprobs)
+            if d.choice.finish_reason:
+                st.finish_reason = FINISH.get(d.choice.finish_reason)
+        if u is not None:
+            usage = u
+    return states, usage, prompts

@@ -49,37 +49,37 @@ class FullStack(Stack):
 
 
 @contextlib.contextmanager
-def gateway_stack(
-    compute_args: tuple[str, ...] = (), control_args: tuple[str, ...] = ()
-) -> Iterator[FullStack]:
-    """All three planes as separate processes; yields once the gateway reports ready."""
+def gateway(control: str, port: int, url_path: str = "/ready") -> Iterator[str]:
+    """A gateway process in front of `control`; yields its base URL once `url_path` is 200."""
     import subprocess
     import sys
 
     from hetero_infer.local import stop_process, wait_http_ready
 
-    with control_stack(compute_args, control_args) as s:
-        port = free_port()
-        gw = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hetero_infer.cli",
-                "gateway",
-                "--port",
-                str(port),
-                "--control",
-                s.control,
-            ]
-        )
-        try:
-            wait_http_ready(f"http://127.0.0.1:{port}/ready", gw)
-            yield FullStack(
-                s.compute,
-                s.control,
-                s.compute_metrics,
-                s.control_metrics,
-                f"http://127.0.0.1:{port}",
-            )
-        finally:
-            stop_process(gw)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_infer.cli",
+        "gateway",
+        "--port",
+        str(port),
+        "--control",
+        control,
+    ]
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ready(url + url_path, proc)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+@contextlib.contextmanager
+def gateway_stack(
+    compute_args: tuple[str, ...] = (), control_args: tuple[str, ...] = ()
+) -> Iterator[FullStack]:
+    """All three planes as separate processes; yields once the gateway reports ready."""
+
+    with control_stack(compute_args, control_args) as s, gateway(s.control, free_port()) as url:
+        yield FullStack(s.compute, s.control, s.compute_metrics, s.control_metrics, url)

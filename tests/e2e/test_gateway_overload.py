@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 
@@ -12,10 +10,10 @@ import httpx
 import openai
 import pytest
 
-from hetero_infer.local import free_port, stop_process, wait_http_ready
+from hetero_infer.local import free_port
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
-from tests.procs import gateway_stack
+from tests.procs import gateway, gateway_stack
 
 pytestmark = pytest.mark.slow
 
@@ -26,28 +24,11 @@ def _waiting(control: str) -> int:
 
 
 def test_no_control_plane_is_503() -> None:
-    port = free_port()
-    gw = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hetero_infer.cli",
-            "gateway",
-            "--port",
-            str(port),
-            "--control",
-            f"127.0.0.1:{free_port()}",
-        ]
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_http_ready(url + "/health", gw)
+    with gateway(f"127.0.0.1:{free_port()}", free_port(), url_path="/health") as url:
         assert httpx.get(url + "/ready").status_code == 503
         r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=30)
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "service_unavailable"
-    finally:
-        stop_process(gw)
 
 
 def test_full_waiting_queue_is_429() -> None:

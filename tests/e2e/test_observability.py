@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import openai
 import pytest
 
 from hetero_infer.local import child, free_port, stop_process, wait_http_ready
-from tests.procs import FullStack, gateway_stack
+from tests.procs import FullStack, gateway, gateway_stack
 
 pytestmark = pytest.mark.slow
 PROMETHEUS = shutil.which("prometheus")
@@ -170,37 +169,25 @@ def test_ready_follows_the_compute_plane() -> None:
         "--metrics-port",
         str(free_port()),
     ]
-    url = f"http://127.0.0.1:{gport}/ready"
-    with child(compute_cmd, compute) as kproc, child(control_cmd, control):
-        gw = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hetero_infer.cli",
-                "gateway",
-                "--port",
-                str(gport),
-                "--control",
-                control,
-            ]
-        )
-        try:
-            wait_http_ready(url, gw)
-            kproc.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            while httpx.get(url).status_code != 503:
-                assert time.monotonic() - killed < 5.0, (
-                    "/ready still 200 five seconds after the compute plane died"
-                )
-                time.sleep(0.1)
-            with child(compute_cmd, compute):
-                restarted = time.monotonic()
-                while httpx.get(url).status_code != 200:
-                    assert time.monotonic() - restarted < 30.0, "/ready did not come back"
-                    time.sleep(0.2)
-                # And it serves again.
-                body = {"model": httpx.get(url).json()["model"], "prompt": "Hi", "max_tokens": 2}
-                r = httpx.post(f"http://127.0.0.1:{gport}/v1/completions", json=body, timeout=60)
-                assert r.status_code == 200, r.text
-        finally:
-            stop_process(gw)
+    with (
+        child(compute_cmd, compute) as kproc,
+        child(control_cmd, control),
+        gateway(control, gport) as base,
+    ):
+        url = base + "/ready"
+        kproc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        while httpx.get(url).status_code != 503:
+            assert time.monotonic() - killed < 5.0, (
+                "/ready still 200 five seconds after the compute plane died"
+            )
+            time.sleep(0.1)
+        with child(compute_cmd, compute):
+            restarted = time.monotonic()
+            while httpx.get(url).status_code != 200:
+                assert time.monotonic() - restarted < 30.0, "/ready did not come back"
+                time.sleep(0.2)
+            # And it serves again.
+            body = {"model": httpx.get(url).json()["model"], "prompt": "Hi", "max_tokens": 2}
+            r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
