@@ -18,6 +18,10 @@ class ControlConfig:
     metrics_port: int = field(
         default=8001, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"}
     )
+    compute_timeout: float = field(
+        default=60.0,
+        metadata={"help": "seconds to wait for a lost compute plane before failing its requests"},
+    )
     max_num_seqs: int = field(default=256, metadata={"help": "most requests in one step"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     max_model_len: int | None = field(

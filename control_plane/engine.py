@@ -19,7 +19,7 @@ from control_plane.config import ControlConfig
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.outputs import Choice, GenerateStream
 from control_plane.request import Request, Status
-from control_plane.scheduler import AdmissionError, Scheduler, SchedulerOutput
+from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
 from control_plane.stop import StopChecker
 from control_plane.tokenizer import TokenizerWrapper
 from hetero_proto import compute_pb2 as cpb
@@ -55,6 +55,10 @@ class ControlEngine:
         self.labels = {"model_name": "unknown"}
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         self._lost = False  # set by the watchdog when the compute plane stops answering
+        self._lost_since = 0.0
+        # Requests kept across a compute-plane failure, in re-admission order, with the
+        # request whose prompt blocks they fork (n > 1) or None.
+        self._parked: list[tuple[Request, Request | None]] = []
         self._watchdog: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -83,6 +87,7 @@ class ControlEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.description = d
+        self._readmit()
         self.labels = {"model_name": d.model_name}
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         metrics.compute_attached.labels(**self.labels).set(1)
@@ -195,11 +200,21 @@ class ControlEngine:
             except asyncio.CancelledError:
                 raise
             except (ComputeLinkError, StepFailed) as e:
-                log.error("compute plane lost: %s", e)
-                self.attached.clear()
-                self._fail_all(e)
+                now = time.monotonic()
+                if self.attached.is_set():
+                    log.error("compute plane lost: %s; requests wait for it to come back", e)
+                    self.attached.clear()
+                    metrics.compute_attached.labels(**self.labels).set(0)
+                    self._park()
+                    self._lost_since = now
+                elif self._parked and now - self._lost_since > self.config.compute_timeout:
+                    log.error(
+                        "compute plane away for %.0f s: failing its requests",
+                        now - self._lost_since,
+                    )
+                    self._fail_all(e)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, 2.0)
 
     async def _watch(self, interval: float = 0.5) -> None:
         """Notice a dead compute plane while idle (a step in flight notices by itself)."""
@@ -337,11 +352,48 @@ class ControlEngine:
         metrics.prefill_time.labels(**m).observe(first_token - scheduled)
         metrics.decode_time.labels(**m).observe(now - first_token)
 
+    def _park(self) -> None:
+        """Keep every request (tokens and all) for the next compute plane; drop the pool."""
+        sched = self.scheduler
+        self.scheduler = None
+        if sched is None:
+            return
+        parked: list[tuple[Request, Request | None]] = [
+            (r, None) for r in (*sched.running, *sched.waiting)
+        ]
+        for parent_id, siblings in sched.pending_forks.items():
+            parked += [(s, sched.requests[parent_id]) for s in siblings]
+        for req, _ in parked:
+            req.num_computed_tokens = 0
+            req.sent_to_compute = False
+            req.status = Status.WAITING
+        self._parked = parked
+
+    def _readmit(self) -> None:
+        """Queue the parked requests on the new scheduler; those that no longer fit fail."""
+        sched = self.scheduler
+        assert sched is not None
+        parked, self._parked = self._parked, []
+        for req, parent in parked:
+            entry = self.choices.get(req.request_id)
+            if entry is None:
+                continue  # cancelled while the compute plane was away
+            try:
+                sched.add_request(req, fork_of=parent)
+            except (AdmissionError, QueueFullError) as e:
+                stream = entry[0]
+                stream.queue.put_nowait(e)
+                self.abort(stream)
+        if parked:
+            log.info("re-admitted %d requests after reattaching", len(parked))
+            self._wake.set()
+
     def _fail_all(self, error: Exception) -> None:
         for stream in list(self.streams.values()):
             stream.queue.put_nowait(ComputeUnavailable(f"compute plane lost: {error}"))
         self.streams.clear()
         self.choices.clear()
+        self._parked = []
         self.scheduler = None
         metrics.compute_attached.labels(**self.labels).set(0)
         metrics.requests_running.labels(**self.labels).set(0)
