@@ -1,8 +1,12 @@
 """Sampling on the compute plane: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
 
-Seeded rows draw their randomness from a generator seeded by (seed, position), so a
-request's tokens do not depend on which other requests share its batch, nor on
-whether it was recomputed after a preemption.
+Order, as in vLLM / HF: ban ids (min_tokens) and apply penalties to the raw logits; greedy rows
+take the argmax; the others divide by temperature, drop tokens outside top-k, then top-p, then
+min-p, and draw with the exponential race argmax(p / E), E ~ Exp(1).
+
+Seeded rows draw E from a generator seeded by hash(seed, position), so a request's tokens do
+not depend on which other requests share its batch, on its row, or on whether it was recomputed
+after a preemption. Unseeded rows share torch's default generator of the logits' device.
 """
 
 from __future__ import annotations
@@ -15,117 +19,129 @@ import torch
 
 from compute_plane.sampling_params import SamplingSpec
 
+__all__ = ["SampleOutput", "SamplingSpec", "sample"]
+
 
 @dataclass
 class SampleOutput:
+    """One entry per row. The logprob lists are set when any row asked for them."""
+
     token_ids: list[int]
-    logprobs: list[float] | None  # of the sampled token, when any row asked
-    top_ids: list[list[int]] | None
+    logprobs: list[float] | None  # of the sampled token
+    top_ids: list[list[int]] | None  # max top_logprobs over the rows, most likely first
     top_logprobs: list[list[float]] | None
 
 
 def sample(
-    logits: torch.Tensor,  # [B, V] float32
+    logits: torch.Tensor,  # [B, V] float32, on the model's device
     specs: list[SamplingSpec],
     prompt_token_ids: list[list[int]],  # per row, for the repetition penalty
     output_token_ids: list[list[int]],  # per row, generated so far (all penalties)
-    positions: list[int],  # per row, index of the token being sampled
-    banned_ids: list[tuple[int, ...]] | None = None,  # per row, tokens that may not be sampled
+    positions: list[int],  # per row, index of the token being sampled (seeds)
+    banned_ids: list[tuple[int, ...]] | None = None,  # per row, ids that may not be sampled
 ) -> SampleOutput:
-    """Pick one token per row. Logprobs are of the penalised distribution before temperature."""
-    plain = all(
-        s.greedy and not s.penalised and not s.logprobs and not s.top_logprobs for s in specs
+    """Pick one token per row.
+
+    Logprobs are log_softmax of the penalised (and banned-masked) logits, before temperature and
+    the top-k / top-p / min-p filters: the model's own view of the token, as vLLM's default.
+    Rows with the same spec, history and position get the same token whatever the batch.
+    """
+    b = logits.shape[0]
+    assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
+    assert len(specs) == len(prompt_token_ids) == len(output_token_ids) == len(positions) == b, (
+        "one spec, prompt, output and position per logits row"
     )
-    if plain and not (banned_ids and any(banned_ids)):
+    banned = banned_ids or [()] * b
+    wants_lp = any(s.logprobs or s.top_logprobs for s in specs)
+    if not wants_lp and not any(banned) and all(s.greedy and not s.penalised for s in specs):
         return SampleOutput(logits.argmax(dim=-1).tolist(), None, None, None)
 
-    logits = logits.clone()
-    for i, banned in enumerate(banned_ids or []):
-        if banned:
-            logits[i, list(banned)] = -math.inf
+    logits = logits.float().clone()
     for i, s in enumerate(specs):
+        if banned[i]:
+            logits[i, list(banned[i])] = -math.inf
         if s.penalised:
             _apply_penalties(logits[i], s, prompt_token_ids[i], output_token_ids[i])
 
     chosen = logits.argmax(dim=-1)
-    random_rows = [i for i, s in enumerate(specs) if not s.greedy]
-    if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[idx], [specs[i] for i in random_rows])
-        noise = torch.stack(
-            [
-                _exponential(probs.shape[1], specs[i].seed, positions[i], probs.device)
-                for i in random_rows
-            ]
-        )
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+    rand = [i for i, s in enumerate(specs) if not s.greedy]
+    if rand:
+        idx = torch.tensor(rand, device=logits.device)
+        probs = _filtered_probs(logits[idx], [specs[i] for i in rand])
+        seeds = [specs[i].seed for i in rand]
+        noise = _race_noise(probs.shape, seeds, [positions[i] for i in rand], probs.device)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         chosen[idx] = (probs / noise).argmax(dim=-1)
 
     out = SampleOutput(chosen.tolist(), None, None, None)
-    want_lp = [s.logprobs or s.top_logprobs > 0 for s in specs]
-    if any(want_lp):
+    if wants_lp:
         logp = torch.log_softmax(logits, dim=-1)
         out.logprobs = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
-        k = max(s.top_logprobs for s in specs)
+        k = min(max(s.top_logprobs for s in specs), logp.shape[1])
         if k:
             vals, ids = logp.topk(k, dim=-1)
-            out.top_ids = ids.tolist()
-            out.top_logprobs = vals.tolist()
+            out.top_ids, out.top_logprobs = ids.tolist(), vals.tolist()
     return out
 
 
 def _apply_penalties(
     row: torch.Tensor, s: SamplingSpec, prompt: list[int], output: list[int]
 ) -> None:
+    """In place on one row: HF repetition penalty over prompt+output, OpenAI frequency/presence."""
     dev = row.device
     if s.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=dev)
+        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=dev)
         if len(seen):
             vals = row[seen]
             row[seen] = torch.where(
                 vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty
             )
     if output and (s.frequency_penalty or s.presence_penalty):
-        counts = torch.bincount(torch.tensor(output, device=dev), minlength=row.shape[0]).to(
-            row.dtype
-        )
+        ids = torch.tensor(output, dtype=torch.long, device=dev)
+        counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
         row -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(row.dtype)
 
 
 def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, vectorised over rows; returns probabilities."""
-    dev = logits.device
-    temps = torch.tensor([s.temperature for s in specs], device=dev, dtype=logits.dtype)
-    logits = logits / temps[:, None]
+    """Temperature, then top-k, top-p and min-p, vectorised over rows with one sort."""
+    dev, dt = logits.device, logits.dtype
+    logits = logits / torch.tensor([s.temperature for s in specs], device=dev, dtype=dt)[:, None]
+    if all(s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0.0 for s in specs):
+        return logits.softmax(dim=-1)  # nothing to cut: skip the sort
     vocab = logits.shape[1]
     top_k = torch.tensor([s.top_k or vocab for s in specs], device=dev)
-    top_p = torch.tensor([s.top_p for s in specs], device=dev, dtype=logits.dtype)
-    min_p = torch.tensor([s.min_p for s in specs], device=dev, dtype=logits.dtype)
+    # top_p 1 means off: with it the float cumsum could cut a far tail that rounds to 1.
+    top_p = torch.tensor([s.top_p if s.top_p < 1.0 else 2.0 for s in specs], device=dev, dtype=dt)
+    min_p = torch.tensor([s.min_p for s in specs], device=dev, dtype=dt)
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=dev)[None, :]
-    drop = ranks >= top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    probs = sorted_logits.softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the
-    # mass before it already reaches top_p. The first token is always kept.
-    before = probs.cumsum(dim=-1) - probs
-    drop = drop | (before >= top_p[:, None])
-    drop = drop | (probs < min_p[:, None] * probs[:, :1])
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
-    filtered = torch.full_like(logits, -math.inf).scatter(1, order, sorted_logits)
-    return filtered.softmax(dim=-1)
+    drop = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, -math.inf).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass
+    # before it already reaches top_p. min-p compares with the top token's probability.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    kept = sorted_logits.masked_fill(drop, -math.inf)
+    return torch.full_like(logits, -math.inf).scatter(1, order, kept).softmax(dim=-1)
 
 
-_UNSEEDED = torch.Generator()
-_UNSEEDED.seed()
+def _race_noise(
+    shape: torch.Size, seeds: list[int | None], positions: list[int], device: torch.device
+) -> torch.Tensor:
+    """Exp(1) noise per row: unseeded rows in one call on the device, seeded rows on the CPU
+    (so a seed gives the same tokens on every device), moved over together."""
+    noise = torch.empty(shape, device=device).exponential_()
+    seeded = [(r, seed) for r, seed in enumerate(seeds) if seed is not None]
+    if seeded:
+        rows = torch.empty(len(seeded), shape[1])
+        for j, (r, seed) in enumerate(seeded):
+            rows[j].exponential_(generator=_generator(seed, positions[r]))
+        noise[torch.tensor([r for r, _ in seeded], device=device)] = rows.to(device)
+    # Exponential draws may round to 0; p / 0 would be inf or nan and win the race.
+    return noise.clamp_min_(1e-20)
 
 
-def _exponential(n: int, seed: int | None, position: int, device: torch.device) -> torch.Tensor:
-    if seed is None:
-        gen = _UNSEEDED
-    else:
-        digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-    return torch.empty(n).exponential_(generator=gen).clamp_min_(1e-20).to(device)
+def _generator(seed: int, position: int) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)  # 63 bits
