@@ -7,17 +7,19 @@ from pathlib import Path
 
 import torch
 
-from compute_plane.loader.gguf_file import load_gguf
-from compute_plane.loader.hf import ModelFilesError, load_hf
-from compute_plane.model_config import ModelConfig
+from compute_plane.model_config import ModelConfig, UnsupportedModelError
 
-__all__ = ["LoadedModel", "ModelFilesError", "load_model"]
+__all__ = ["LoadedModel", "ModelLoadError", "load_model"]
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, unreadable or incomplete; the message names it and the path."""
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face parameter names
+    weights: dict[str, torch.Tensor]  # Hugging Face parameter names, in the requested dtype
     source: str  # "hf" | "gguf"
     path: Path
 
@@ -25,7 +27,17 @@ class LoadedModel:
 def load_model(
     path: Path, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> LoadedModel:
-    """Load a model folder (config.json + safetensors) or a .gguf file, with a progress bar."""
+    """Load a model folder (config.json + safetensors) or a .gguf file.
+
+    The weights come back under Hugging Face names, exactly the set the model uses
+    (`lm_head.weight` may be absent when `config.tie_word_embeddings`).
+    Raises ModelLoadError for missing/unreadable files or weights, and
+    UnsupportedModelError for an architecture or feature the model cannot run.
+    """
+    # Imported here so that the error classes above exist before the loaders import them.
+    from compute_plane.loader.gguf_file import load_gguf
+    from compute_plane.loader.hf import load_hf
+
     path = Path(path)
     if path.is_dir():
         config, weights = load_hf(path, dtype, progress)
@@ -34,28 +46,40 @@ def load_model(
         config, weights = load_gguf(path, dtype, progress)
         source = "gguf"
     else:
-        raise ModelFilesError(
+        raise ModelLoadError(
             f"{path}: not a model folder (config.json + safetensors) nor a .gguf file"
         )
-    missing = _missing_weights(config, weights)
-    if missing:
-        raise ModelFilesError(
-            f"{path}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-        )
+    _check_names(path, config, weights)
     return LoadedModel(config, weights, source, path)
 
 
-def _missing_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> list[str]:
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not cfg.tie_word_embeddings:
-        need.append("lm_head.weight")
+def _expected_names(cfg: ModelConfig) -> list[str]:
+    """Every weight the model reads for `cfg` (lm_head included, even when tied)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        need += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        need += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-        need += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         if cfg.attention_bias:
-            need += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if cfg.qk_norm:
-            need += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-    return [n for n in need if n not in weights]
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    return names
+
+
+def _check_names(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    expected = _expected_names(cfg)
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    missing = [n for n in expected if n not in weights and n not in optional]
+    if missing:
+        raise ModelLoadError(f"{path}: missing weights {_some(missing)}")
+    # A weight the model would not read (an o_proj or MLP bias, ...) means a feature
+    # we do not implement: refuse rather than silently compute something else.
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise UnsupportedModelError(f"{path}: unsupported weights {_some(unexpected)}")
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" (and {len(names) - 5} more)" if len(names) > 5 else "")

@@ -8,10 +8,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
 from tqdm import tqdm
 
+from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
 
+_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -30,6 +34,20 @@ _GLOBAL_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
+# llama.cpp ends generation on any of these, as HF does on generation_config's eos list.
+_EOG_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that parses its header from a plain ndarray view of the mmap.
+
+    Slicing np.memmap is ~5x slower than slicing ndarray, and the header holds ~150k
+    tokenizer strings: this takes the bundled model's parse from seconds to under one.
+    """
+
+    def _build_fields(self, *args: Any, **kwargs: Any) -> Any:
+        self.data = self.data.view(np.ndarray)  # type: ignore[assignment]  # same mmap buffer
+        return super()._build_fields(*args, **kwargs)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -45,71 +63,88 @@ def hf_name(gguf_name: str) -> str | None:
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's row permutation of Llama q/k weights (its rotary layout).
 
-    llama.cpp writes rows grouped as (head, half, pair); Hugging Face's rotate_half
-    wants (head, pair, half). The inverse swaps the two inner axes back.
+    Within each head HF's rotate_half pairs row j with row j + head_dim/2; llama.cpp
+    interleaves them (rows 2j, 2j+1). Its converter maps rows (head, half, j) to
+    (head, j, half); swapping the two inner axes back is the inverse.
     """
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def load_gguf(
     path: Path, dtype: torch.dtype, progress: bool
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    """Metadata -> ModelConfig; every known tensor dequantised, oriented as in torch, cast."""
+    try:
+        reader = _Reader(path)
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
+    config = read_config(path, reader)
+    n_kv = config.num_kv_heads
+    weights: dict[str, torch.Tensor] = {}
+    bar = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
+    for t in bar:
+        name = hf_name(t.name)
+        if name is None:
+            if t.name == "rope_freqs.weight":
+                # Llama 3.1-style per-frequency rope factors: not expressible in rope_scaling.
+                raise UnsupportedModelError(f"{path}: rope_freqs.weight is not supported")
+            raise UnsupportedModelError(f"{path}: unsupported GGUF tensor {t.name}")
+        # GGUF lists dims fastest-first (ne order): reversed, they are torch's [out, in].
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if config.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = unpermute_rotary(w, config.num_attention_heads if "attn_q" in t.name else n_kv)
+        # Copies only unquantised tensors: they are views of the read-only mmap.
+        weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(dtype)
+    return config, weights
 
-    reader = GGUFReader(path)
+
+def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
+    """GGUF metadata (`{arch}.*`, `tokenizer.ggml.*`, `general.name`) -> ModelConfig."""
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
+    if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{path}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2, qwen3)"
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}"
         )
 
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: missing GGUF metadata {arch}.{key}")
+        return value
 
-    n_head = int(meta("attention.head_count"))
-    n_kv = int(meta("attention.head_count_kv", n_head))
-    hidden = int(meta("embedding_length"))
+    scaling = meta("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(f"{path}: unsupported {arch}.rope.scaling.type {scaling!r}")
+    factor = float(meta("rope.scaling.factor")) if scaling == "linear" else 1.0
     tensors = {t.name: t for t in reader.tensors}
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[1])
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    n_head, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    config = ModelConfig(
+    eos = (_field(reader, f"tokenizer.ggml.{k}") for k in _EOG_KEYS)
+    return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_layers=int(meta("block_count")),
         num_attention_heads=n_head,
-        num_kv_heads=n_kv,
+        num_kv_heads=int(meta("attention.head_count_kv", n_head)),
         head_dim=int(meta("attention.key_length", hidden // n_head)),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta("context_length", 2048)),
+        max_position_embeddings=int(meta("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        rope_scaling=None if scaling == "none" else {"rope_type": "linear", "factor": factor},
         bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         name=str(_field(reader, "general.name", path.stem)),
     )
 
-    weights: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        name = hf_name(t.name)
-        if name is None:
-            continue  # e.g. rope_freqs: derived from metadata instead
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = unpermute_rotary(w, n_head if "attn_q" in t.name else n_kv)
-        weights[name] = torch.from_numpy(np.array(w, order="C")).to(
-            dtype
-        )  # copy: mmap is read-only
-    return config, weights
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()

@@ -3,67 +3,72 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from compute_plane.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from compute_plane.loader import ModelLoadError
+from compute_plane.model_config import ModelConfig, UnsupportedModelError
 
-# HF `architectures` entry -> (our architecture, q/k/v bias by default, per-head q/k norm)
+# HF `architectures` entry -> (our architecture, q/k/v bias unless config says, per-head q/k norm)
 _ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", False, False),
     "MistralForCausalLM": ("mistral", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
 }
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
 
 
-class ModelFilesError(FileNotFoundError):
-    """A file the model needs is missing; the message names it."""
-
-
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """rope_theta and the scaling dict, from transformers 4 (`rope_scaling`) or 5 (`rope_parameters`)."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = dict(cfg.get("rope_scaling") or params)
-    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    scaling.pop("rope_theta", None)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    return theta, (None if rope_type == "default" else {**scaling, "rope_type": rope_type})
-
-
-def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
-    ids: list[int] = []
-    sources = [cfg]
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        sources.append(json.loads(gen.read_text()))
-    for src in sources:
-        eos = src.get("eos_token_id")
-        for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
-            if int(i) not in ids:
-                ids.append(int(i))
-    return tuple(ids)
+def load_hf(
+    folder: Path, dtype: torch.dtype, progress: bool
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """config.json -> ModelConfig; every tensor of the safetensors file(s), cast to `dtype`."""
+    config = read_config(folder)
+    files = _weight_files(folder)
+    weights: dict[str, torch.Tensor] = {}
+    try:
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+            total = sum(len(h.keys()) for h in handles)
+            bar = stack.enter_context(
+                tqdm(
+                    total=total, desc=f"loading {folder.name}", unit="tensor", disable=not progress
+                )
+            )
+            for h in handles:
+                for name in h.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
+                    # Checkpoints from before transformers 4.31 carry this buffer; we recompute it.
+                    if not name.endswith("rotary_emb.inv_freq"):
+                        weights[name] = h.get_tensor(name).to(dtype)
+                    bar.update()
+    except SafetensorError as e:
+        raise ModelLoadError(f"{folder}: unreadable safetensors file: {e}") from e
+    return config, weights
 
 
 def read_config(folder: Path) -> ModelConfig:
+    """Normalise config.json (+ generation_config.json eos ids) into a ModelConfig."""
     path = folder / "config.json"
     if not path.is_file():
-        raise ModelFilesError(
+        raise ModelLoadError(
             f"{folder}: missing config.json (expected a Hugging Face model folder)"
         )
     cfg = json.loads(path.read_text())
-    cfg = {**cfg, **cfg.get("text_config", {})}
-    names = cfg.get("architectures") or []
+    names = cfg.get("architectures") or [cfg.get("model_type")]
     known = [n for n in names if n in _ARCHITECTURES]
     if not known:
         raise UnsupportedModelError(
-            f"{folder}: unsupported architecture {names or cfg.get('model_type')!r}; "
-            f"supported: {', '.join(_ARCHITECTURES)} ({', '.join(SUPPORTED_ARCHITECTURES)})"
+            f"{folder}: unsupported architecture {', '.join(map(str, names))}; "
+            f"supported: {', '.join(_ARCHITECTURES)}"
         )
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError(f"{folder}: mlp_bias=true is not supported")
     arch, bias, qk_norm = _ARCHITECTURES[known[0]]
     heads = int(cfg["num_attention_heads"])
     theta, scaling = _rope(cfg)
@@ -80,6 +85,7 @@ def read_config(folder: Path) -> ModelConfig:
         rope_theta=theta,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        # Qwen2 has no such field (its q/k/v always carry a bias); Llama/Qwen3 say so in config.
         attention_bias=bool(cfg.get("attention_bias", bias)),
         qk_norm=qk_norm,
         rope_scaling=scaling,
@@ -89,33 +95,44 @@ def read_config(folder: Path) -> ModelConfig:
     )
 
 
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and an HF-style scaling dict (None for plain rotary).
+
+    transformers 4 writes `rope_theta` + `rope_scaling`; transformers 5 writes one
+    `rope_parameters` dict holding both.
+    """
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or params)
+    theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+
+
+def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Union of config.json's and generation_config.json's eos ids (each an int or a list)."""
+    sources = [cfg]
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        sources.append(json.loads(gen.read_text()))
+    ids: dict[int, None] = {}  # ordered set
+    for src in sources:
+        eos = src.get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+            ids[int(i)] = None
+    return tuple(ids)
+
+
 def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
+    index = folder / _INDEX
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        for s in shards:
-            if not (folder / s).is_file():
-                raise ModelFilesError(f"{folder}: shard {s} named in {index.name} is missing")
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{folder}: shard {', '.join(missing)} named in {_INDEX} is missing"
+            )
         return [folder / s for s in shards]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(folder.glob("*.safetensors"))
-    if not found:
-        raise ModelFilesError(f"{folder}: no *.safetensors weights (model.safetensors or an index)")
-    return found
-
-
-def load_hf(
-    folder: Path, dtype: torch.dtype, progress: bool
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    config = read_config(folder)
-    files = _weight_files(folder)
-    weights: dict[str, torch.Tensor] = {}
-    with tqdm(desc=f"loading {folder.name}", unit="tensor", disable=not progress) as bar:
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    weights[name] = st.get_tensor(name).to(dtype)
-                    bar.update()
-    return config, weights
+    if (folder / _SINGLE).is_file():
+        return [folder / _SINGLE]
+    raise ModelLoadError(f"{folder}: no weights: neither {_SINGLE} nor {_INDEX}")
