@@ -121,19 +121,22 @@ async def serve(config: ComputeConfig) -> None:
     stop_task: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
     waiting: list[asyncio.Future[Any]] = [load_task, stop_task]
     done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    if load_task in done:
-        servicer.engine = load_task.result()
-        d = servicer.engine.describe()
-        await health.set(True)
-        log.info(
-            "compute plane ready on %s: %s, %d KV blocks of %d tokens, max_model_len %d",
-            address,
-            d.model_name,
-            d.num_kv_blocks,
-            d.block_size,
-            d.max_model_len,
-        )
-        await stop.wait()
-    log.info("compute plane shutting down")
-    await server.stop(grace=5)
-    servicer.executor.shutdown(wait=False, cancel_futures=True)
+    try:
+        if load_task in done:
+            servicer.engine = load_task.result()  # a load error propagates: one clear message
+            d = servicer.engine.describe()
+            await health.set(True)
+            log.info(
+                "compute plane ready on %s: %s, %d KV blocks of %d tokens, max_model_len %d",
+                address,
+                d.model_name,
+                d.num_kv_blocks,
+                d.block_size,
+                d.max_model_len,
+            )
+            await stop.wait()
+    finally:
+        log.info("compute plane shutting down")
+        stop_task.cancel()
+        await server.stop(grace=5)
+        servicer.executor.shutdown(wait=False, cancel_futures=True)
