@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.auth import require_api_key
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.generation import (
@@ -130,7 +131,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="hetero-paged-infer", version="0.1.0", description="OpenAI-compatible API")
     link = ControlLink(config)
     app.state.link = link
-    instrument(app)
+    if config.api_key:
+        require_api_key(app, config.api_key)
+    instrument(app)  # added last, so outermost: 401s are counted too
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+API_KEY_ENV = "HETERO_API_KEY"
 
 
 @dataclass
@@ -15,11 +18,17 @@ class GatewayConfig:
     served_model_name: str | None = field(
         default=None, metadata={"help": "model name clients use (default: the control plane's)"}
     )
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": f"require 'Authorization: Bearer KEY' on /v1/* (or set {API_KEY_ENV})"},
+    )
     request_timeout: float = field(
         default=600.0, metadata={"help": "seconds before a request is cancelled"}
     )
 
     def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.request_timeout <= 0:

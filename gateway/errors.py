@@ -46,7 +46,9 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # Overload and unavailability are temporary: tell clients when to come back.
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def from_grpc(e: grpc.aio.AioRpcError) -> APIError:
