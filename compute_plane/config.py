@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetero_infer.tls import ServerTLS
+
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -33,8 +35,21 @@ class ComputeConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )
+    tls_cert: str | None = field(
+        default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"}
+    )
+    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str | None = field(
+        default=None,
+        metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"},
+    )
+
+    @property
+    def tls(self) -> ServerTLS:
+        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def __post_init__(self) -> None:
+        self.tls  # noqa: B018 -- validates the TLS flags
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device != "cpu":

@@ -93,7 +93,7 @@ async def serve(config: ComputeConfig) -> None:
     health = HealthReporter(server, SERVICE_NAME)
     await health.set(False)
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    config.tls.add_port(server, address)
     if config.metrics_port:
         prometheus_client.start_http_server(config.metrics_port, addr=config.host)
     await server.start()

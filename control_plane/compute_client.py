@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hetero_infer.tls import ClientTLS
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 
@@ -26,9 +27,9 @@ class StepFailed(RuntimeError):
 
 
 class ComputeClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = (tls or ClientTLS()).aio_channel(address)
         self.stub = pb_grpc.ComputePlaneStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._run: grpc.aio.StreamStreamCall | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetero_infer.tls import ClientTLS, ServerTLS
+
 
 @dataclass
 class ControlConfig:
@@ -39,8 +41,37 @@ class ControlConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse KV blocks of identical prompt prefixes"}
     )
+    tls_cert: str | None = field(
+        default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"}
+    )
+    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
+    tls_client_ca: str | None = field(
+        default=None,
+        metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"},
+    )
+    compute_tls_ca: str | None = field(
+        default=None,
+        metadata={"help": "PEM CA bundle: dial the compute plane over TLS, verified by it"},
+    )
+    compute_tls_cert: str | None = field(
+        default=None, metadata={"help": "PEM client certificate for the compute plane (mTLS)"}
+    )
+    compute_tls_key: str | None = field(
+        default=None, metadata={"help": "PEM private key of --compute-tls-cert"}
+    )
+
+    @property
+    def tls(self) -> ServerTLS:
+        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
+
+    @property
+    def compute_tls(self) -> ClientTLS:
+        return ClientTLS(
+            self.compute_tls_ca, self.compute_tls_cert, self.compute_tls_key, "compute-tls"
+        )
 
     def __post_init__(self) -> None:
+        self.tls, self.compute_tls  # noqa: B018 -- validates the TLS flags
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

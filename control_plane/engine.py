@@ -22,11 +22,11 @@ from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
 from control_plane.stop import StopChecker
 from control_plane.tokenizer import TokenizerWrapper
+from hetero_infer.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
 log = logging.getLogger(__name__)
-MAX_N = 16
 
 
 class ComputeUnavailable(RuntimeError):
@@ -43,7 +43,7 @@ class ControlEngine:
     def __init__(self, config: ControlConfig, tokenizer: TokenizerWrapper) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.client = ComputeClient(config.compute)
+        self.client = ComputeClient(config.compute, config.compute_tls)
         self.scheduler: Scheduler | None = None
         self.description: cpb.DescribeResponse | None = None
         self.streams: dict[str, GenerateStream] = {}
@@ -112,8 +112,17 @@ class ControlEngine:
             raise AdmissionError(f"n must be in 1..{MAX_N}, got {n}")
         if params.max_tokens < 0 or params.min_tokens < 0:
             raise AdmissionError("max_tokens and min_tokens must be >= 0")
+        if len(params.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
+            raise AdmissionError(
+                f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters"
+            )
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
+        if len(prompt_ids) >= sched.max_model_len:
+            raise AdmissionError(
+                f"the prompt has {len(prompt_ids)} tokens; the maximum context length is "
+                f"{sched.max_model_len} tokens, prompt and output together"
+            )
         vocab = self.description.vocab_size if self.description else 0
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in 0..{vocab - 1}")

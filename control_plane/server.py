@@ -48,9 +48,26 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self.tokenizer: TokenizerWrapper = engine.tokenizer
         self.model_name = model_name
 
-    def _prompt_ids(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
+    def _check_size(self, text: str) -> None:
+        """Refuse a text too long for the context before spending seconds tokenising it."""
+        sched = self.engine.scheduler
+        if sched is None:
+            return
+        size = len(text.encode())
+        if size > sched.max_model_len * self.tokenizer.max_token_bytes:
+            raise AdmissionError(
+                f"the prompt ({size} bytes) is longer than the maximum context length of "
+                f"{sched.max_model_len} tokens"
+            )
+
+    def _prompt_ids(
+        self, request: pb.GenerateRequest | pb.TokenizeRequest, check_size: bool = True
+    ) -> list[int]:
+        """The request's prompt as token ids. Runs in a worker thread: tokenising is slow."""
         which = request.WhichOneof("input")
         if which == "text":
+            if check_size:
+                self._check_size(request.text)
             return self.tokenizer.encode(request.text)
         if which == "token_ids":
             return list(request.token_ids.ids)  # type: ignore[union-attr]
@@ -58,6 +75,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages:
                 raise AdmissionError("chat input has no messages")
+            if check_size:
+                self._check_size("".join(m["content"] for m in messages))
             text = self.tokenizer.apply_chat_template(messages, request.chat.add_generation_prompt)
             return self.tokenizer.encode(text, add_special_tokens=False)
         raise AdmissionError("no input: set text, token_ids or chat")
@@ -66,7 +85,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            stream = self.engine.submit(self._prompt_ids(request), request.params)
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+            stream = self.engine.submit(prompt_ids, request.params)
         except Exception as e:
             code = status_for(e)
             if code is None:
@@ -91,11 +111,11 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
     ) -> pb.TokenizeResponse:
         try:
             if request.WhichOneof("input") == "text":
-                ids = self.tokenizer.encode(
-                    request.text, add_special_tokens=request.add_special_tokens
+                ids = await asyncio.to_thread(
+                    self.tokenizer.encode, request.text, request.add_special_tokens
                 )
             else:
-                ids = self._prompt_ids(request)
+                ids = await asyncio.to_thread(self._prompt_ids, request, False)
         except (AdmissionError, TokenizerError, ChatTemplateError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         sched = self.engine.scheduler
@@ -156,7 +176,7 @@ async def serve(config: ControlConfig) -> None:
     )
     health = HealthReporter(server, SERVICE_NAME)
     address = f"{config.host}:{config.port}"
-    server.add_insecure_port(address)
+    config.tls.add_port(server, address)
     if config.metrics_port:
         prometheus_client.start_http_server(config.metrics_port, addr=config.host)
     await server.start()

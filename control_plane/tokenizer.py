@@ -69,6 +69,8 @@ class TokenizerWrapper:
         self.all_special_ids = frozenset(special_ids)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._bytes: list[bytes] = [self._token_bytes(i) for i in range(self.vocab_size)]
+        # No token spans more bytes than this, so a text of B bytes has >= B / this tokens.
+        self.max_token_bytes = max(1, *(len(b) for b in self._bytes))
 
     def _token_bytes(self, i: int) -> bytes:
         piece = self.tok.id_to_token(i)
@@ -87,7 +89,9 @@ class TokenizerWrapper:
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not), so a long prompt tokenised in a
+        # worker thread does not stall the event loop and every other request with it.
+        ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

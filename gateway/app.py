@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.auth import require_api_key
+from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.generation import (
@@ -40,10 +41,16 @@ class ControlLink:
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.ControlPlaneStub | None = None
         self._model: str | None = config.served_model_name
+        tls = config.control_tls
+        # Read the certificates now: a bad path stops the gateway at start-up.
+        self._credentials = tls.credentials() if tls.enabled else None
 
     def open(self) -> pb_grpc.ControlPlaneStub:
         if self.stub is None:
-            self.channel = grpc.aio.insecure_channel(self.config.control)
+            if self._credentials is None:
+                self.channel = grpc.aio.insecure_channel(self.config.control)
+            else:
+                self.channel = grpc.aio.secure_channel(self.config.control, self._credentials)
             self.stub = pb_grpc.ControlPlaneStub(self.channel)
         return self.stub
 
@@ -131,6 +138,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="hetero-paged-infer", version="0.1.0", description="OpenAI-compatible API")
     link = ControlLink(config)
     app.state.link = link
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.api_key:
         require_api_key(app, config.api_key)
     instrument(app)  # added last, so outermost: 401s are counted too

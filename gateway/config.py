@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from hetero_infer.tls import ClientTLS
+
 API_KEY_ENV = "HETERO_API_KEY"
 
 
@@ -23,13 +25,37 @@ class GatewayConfig:
         metadata={"help": f"require 'Authorization: Bearer KEY' on /v1/* (or set {API_KEY_ENV})"},
     )
     request_timeout: float = field(
-        default=600.0, metadata={"help": "seconds before a request is cancelled"}
+        default=600.0,
+        metadata={"help": "seconds a request may run; then it is cancelled (HTTP 504)"},
+    )
+    max_body_bytes: int = field(
+        default=2 << 20, metadata={"help": "largest accepted request body (larger: HTTP 413)"}
     )
 
+    control_tls_ca: str | None = field(
+        default=None,
+        metadata={"help": "PEM CA bundle: dial the control plane over TLS, verified by it"},
+    )
+    control_tls_cert: str | None = field(
+        default=None, metadata={"help": "PEM client certificate for the control plane (mTLS)"}
+    )
+    control_tls_key: str | None = field(
+        default=None, metadata={"help": "PEM private key of --control-tls-cert"}
+    )
+
+    @property
+    def control_tls(self) -> ClientTLS:
+        return ClientTLS(
+            self.control_tls_ca, self.control_tls_cert, self.control_tls_key, "control-tls"
+        )
+
     def __post_init__(self) -> None:
+        self.control_tls  # noqa: B018 -- validates the TLS flags
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")

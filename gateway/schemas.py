@@ -10,8 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_N = 16
-MAX_STOPS = 4
+from hetero_infer.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
 
 
 class StreamOptions(BaseModel):
@@ -54,6 +53,8 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed")
             if any(not s for s in stops):
                 raise ValueError("stop sequences must not be empty")
+            if any(len(s) > MAX_STOP_CHARS for s in stops):
+                raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("logit_bias")

@@ -21,10 +21,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_serving(address: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+def wait_serving(
+    address: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 300.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Poll grpc.health.v1 until SERVING; raise if the process dies first."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    channel = (
+        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
@@ -52,7 +60,12 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
 
 
 @contextlib.contextmanager
-def child(args: list[str], address: str, quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+def child(
+    args: list[str],
+    address: str,
+    quiet: bool = False,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
     """`hetero-infer ARGS` as a child process; yielded once its gRPC health is SERVING."""
     out = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen(
@@ -62,7 +75,7 @@ def child(args: list[str], address: str, quiet: bool = False) -> Iterator[subpro
         env=dict(os.environ),
     )
     try:
-        wait_serving(address, proc)
+        wait_serving(address, proc, credentials=credentials)
         yield proc
     finally:
         stop_process(proc)

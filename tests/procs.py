@@ -49,7 +49,7 @@ class FullStack(Stack):
 
 
 @contextlib.contextmanager
-def gateway(control: str, port: int, url_path: str = "/ready") -> Iterator[str]:
+def gateway(control: str, port: int, *extra: str, url_path: str = "/ready") -> Iterator[str]:
     """A gateway process in front of `control`; yields its base URL once `url_path` is 200."""
     import subprocess
     import sys
@@ -65,6 +65,7 @@ def gateway(control: str, port: int, url_path: str = "/ready") -> Iterator[str]:
         str(port),
         "--control",
         control,
+        *extra,
     ]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"

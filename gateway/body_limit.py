@@ -1,0 +1,57 @@
+"""A cap on request body size: larger bodies get 413 before any of them is parsed."""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import APIError
+
+
+class BodyLimit:
+    """Pure ASGI middleware: buffers at most `max_bytes` of the body, then replays it.
+
+    Both a declared Content-Length and the bytes actually received are checked, so a
+    chunked upload cannot slip past the limit.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # later reads wait for the disconnect, as usual
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        error = APIError(
+            413,
+            f"the request body is larger than {self.max_bytes} bytes",
+            code="request_too_large",
+        )
+        await error.response()(scope, receive, send)
