@@ -184,6 +184,11 @@ class ControlEngine:
         metrics.prompt_tokens.labels(**self.labels).inc(len(prompt_ids))
         for c in stream.choices:
             self.choices[c.request.request_id] = (stream, c)
+        # The first message says "admitted" at once, before any token: a gateway can then
+        # send its HTTP head knowing the request was not refused.
+        stream.queue.put_nowait(
+            pb.GenerateResponse(request_id=stream_id, prompt_token_ids=prompt_ids)
+        )
         self._wake.set()
         return stream
 
@@ -322,11 +327,10 @@ class ControlEngine:
                 stream.finish(choice, delta, req.status)
                 self.choices.pop(req.request_id, None)
             if stream.stream_id not in touched:
-                resp = pb.GenerateResponse(request_id=stream.stream_id)
-                if not stream.prompt_sent:
-                    resp.prompt_token_ids.extend(stream.prompt_token_ids)
-                    stream.prompt_sent = True
-                touched[stream.stream_id] = (stream, resp)
+                touched[stream.stream_id] = (
+                    stream,
+                    pb.GenerateResponse(request_id=stream.stream_id),
+                )
             touched[stream.stream_id][1].choices.append(delta)
             if req.num_cached_tokens > 0 and choice.index == 0:
                 stream.num_cached_tokens = req.num_cached_tokens

@@ -42,7 +42,6 @@ class GenerateStream:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-    prompt_sent: bool = False
 
     @property
     def done(self) -> bool:

@@ -25,7 +25,7 @@ from gateway.generation import (
     collect_calls,
     completion_calls,
     detokenize,
-    stream_calls,
+    start_stream,
 )
 from gateway.metrics import instrument
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -66,6 +66,11 @@ class ControlLink:
         if self._model is None:
             self._model = (await self.info()).model_name
         return self._model
+
+
+def _union_tag(loc: object) -> bool:
+    """pydantic names the union member in an error's loc ('str', 'list[int]'); not a param."""
+    return isinstance(loc, str) and (loc in ("str", "int", "float", "bool") or "[" in loc)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -150,7 +155,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0]
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_tag(x)]
         param = ".".join(loc) or None
         message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         return APIError(400, f"{param}: {message}" if param else message, param=param).response()
@@ -225,13 +230,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
+            stream = await _cancel_on_disconnect(
+                request, start_stream(stub, calls, config.request_timeout)
+            )
+
             async def events() -> AsyncIterator[bytes]:
                 echo: list[str] = []
                 offsets: dict[int, int] = {}
                 try:
-                    async for deltas, usage, prompt_ids in stream_calls(
-                        stub, calls, config.request_timeout
-                    ):
+                    async for deltas, usage, prompt_ids in stream:
                         if prompt_ids is not None and body.echo:
                             echo = await prefixes(prompt_ids)
                             yield _sse(
@@ -326,6 +333,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = await _cancel_on_disconnect(
+                request, start_stream(stub, calls, config.request_timeout)
+            )
 
             async def events() -> AsyncIterator[bytes]:
                 yield _sse(
@@ -342,7 +352,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     )
                 )
                 try:
-                    async for deltas, usage, _ in stream_calls(stub, calls, config.request_timeout):
+                    async for deltas, usage, _ in stream:
                         for d in deltas:
                             c = d.choice
                             if not (c.text or c.finish_reason or c.logprobs):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -87,9 +87,12 @@ class Delta:
     choice: pb.ChoiceDelta
 
 
+StreamItem = tuple[list[Delta], pb.Usage | None, list[list[int]] | None]
+
+
 async def stream_calls(
     stub: pb_grpc.ControlPlaneStub, calls: list[pb.GenerateRequest], timeout: float
-) -> AsyncIterator[tuple[list[Delta], pb.Usage | None, list[list[int]] | None]]:
+) -> AsyncGenerator[StreamItem, None]:
     """Run the calls concurrently; yield (deltas, usage when all are done, prompt ids when known).
 
     Cancelling the consumer cancels every gRPC call (the control plane then frees blocks).
@@ -134,6 +137,38 @@ async def stream_calls(
             r.cancel()
         for t in tasks:
             t.cancel()
+
+
+async def start_stream(
+    stub: pb_grpc.ControlPlaneStub, calls: list[pb.GenerateRequest], timeout: float
+) -> AsyncIterator[StreamItem]:
+    """`stream_calls`, returned once every call is admitted.
+
+    The control plane answers each call at once with an "admitted" message, so refusals
+    (full queue, prompt too long, no compute plane) raise here, before the HTTP head is
+    sent, and reach the client as a 4xx/5xx status rather than as an SSE error event.
+    """
+    gen = stream_calls(stub, calls, timeout)
+    head: list[StreamItem] = []
+    try:
+        async for item in gen:
+            head.append(item)
+            if item[2] is not None:  # prompt ids of every call: all admitted
+                break
+    except BaseException:
+        await gen.aclose()
+        raise
+
+    async def rest() -> AsyncIterator[StreamItem]:
+        try:
+            for item in head:
+                yield item
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()
+
+    return rest()
 
 
 async def detokenize(stub: pb_grpc.ControlPlaneStub, ids: list[int]) -> str:

@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from hetero_infer.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
 
+INT32 = 2**31  # counts and token ids travel as int32 in control.proto
+TokenId = Annotated[int, Field(ge=0, lt=INT32)]
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -23,7 +26,7 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -35,12 +38,12 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM-style extensions
-    top_k: Annotated[int, Field(ge=-1)] = -1
+    top_k: Annotated[int, Field(ge=-1, lt=INT32)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0, lt=INT32)] = 0
+    stop_token_ids: list[TokenId] | None = None
     # OpenAI fields we do not implement: refused with a clear error rather than ignored.
     logit_bias: dict[str, float] | None = None
 
@@ -66,8 +69,8 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -107,7 +110,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[Any] | None = None

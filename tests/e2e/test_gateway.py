@@ -181,6 +181,10 @@ ERROR_CASES = [
         None,
     ),  # too long: names the limit
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "stop": ["y" * 257]}, 400, "stop"),
+    ("/v1/completions", {"prompt": [2**31]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2**31}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
         "/v1/chat/completions",
@@ -218,6 +222,40 @@ def test_errors_in_openai_schema(
         json={"model": model, "prompt": "Hi", "max_tokens": 2},
         timeout=60,
     )
+    assert ok.status_code == 200
+
+
+def test_request_size_limits(stack: FullStack, model: str) -> None:
+    limit = httpx.get(stack.url + "/v1/models").json()["data"][0]["max_model_len"]
+    url = stack.url + "/v1/completions"
+
+    def error(r: httpx.Response, status: int) -> str:
+        assert r.status_code == status, r.text
+        return str(r.json()["error"]["message"])
+
+    # Bodies over --max-body-bytes (2 MiB), declared or chunked, are refused unread.
+    huge = {"model": model, "prompt": "x" * (3 << 20)}
+    assert "larger than" in error(httpx.post(url, json=huge, timeout=60), 413)
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(3 << 10):
+            yield b"x" * 1024
+        yield b'"}'
+
+    assert "larger than" in error(httpx.post(url, content=chunks(), timeout=60), 413)
+    # A prompt that cannot fit is refused from its size alone, before tokenisation.
+    big = {"model": model, "prompt": "word " * 400_000, "max_tokens": 1}
+    assert f"longer than the maximum context length of {limit}" in error(
+        httpx.post(url, json=big, timeout=60), 400
+    )
+    # A prompt that fills the context leaves no room for output.
+    full = {"model": model, "prompt": [100] * limit, "max_tokens": None}
+    assert f"the prompt has {limit} tokens" in error(httpx.post(url, json=full, timeout=60), 400)
+    # Refusals in streaming mode are HTTP statuses, not a 200 with an error event.
+    stream = {**full, "stream": True}
+    assert "maximum context length" in error(httpx.post(url, json=stream, timeout=60), 400)
+    ok = httpx.post(url, json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
 

@@ -1,0 +1,72 @@
+"""Prompts and outputs stay out of the logs at the default level (INFO), in all three planes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hetero_infer.local import free_port, stop_process, wait_http_ready, wait_serving
+
+pytestmark = pytest.mark.slow
+
+SECRET = "Zanzibar-7f3a-confidential"
+
+
+def test_no_prompt_or_output_in_logs(tmp_path: Path) -> None:
+    kport, cport, gport = free_port(), free_port(), free_port()
+    compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
+    planes = {
+        "compute": ["compute-plane", "--port", str(kport), "--kv-cache-bytes", str(64 << 20)],
+        "control": ["control-plane", "--port", str(cport), "--compute", compute],
+        "gateway": ["gateway", "--port", str(gport), "--control", control],
+    }
+    planes["compute"] += ["--metrics-port", str(free_port())]
+    planes["control"] += ["--metrics-port", str(free_port())]
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = {name: tmp_path / f"{name}.log" for name in planes}
+    try:
+        for name, args in planes.items():
+            with logs[name].open("wb") as out:
+                cmd = [sys.executable, "-m", "hetero_infer.cli", *args]  # default --log-level
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+            if name != "gateway":
+                wait_serving(compute if name == "compute" else control, procs[-1])
+        url = f"http://127.0.0.1:{gport}"
+        wait_http_ready(url + "/ready", procs[-1])
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        outputs = []
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": f"Repeat after me: {SECRET}"}],
+            max_tokens=24,
+            temperature=0,
+        )
+        outputs.append(chat.choices[0].message.content or "")
+        done = client.completions.create(
+            model=model, prompt=f"The code is {SECRET}. The code is", max_tokens=24, temperature=0
+        )
+        outputs.append(done.choices[0].text)
+        for stream in (True, False):  # refused requests carry the prompt too
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": model, "prompt": SECRET * 2000, "max_tokens": 1, "stream": stream},
+                timeout=60,
+            )
+            assert r.status_code == 400, r.text
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+    text = {name: path.read_text(errors="replace") for name, path in logs.items()}
+    assert "INFO" in text["control"] and "INFO" in text["compute"]  # logging was on
+    assert "POST /v1/completions" in text["gateway"]  # the access log was on
+    for name, log in text.items():
+        assert SECRET not in log, f"{name} logged the prompt"
+        for out in outputs:
+            snippet = out.strip()[:40]
+            assert len(snippet) < 12 or snippet not in log, f"{name} logged an output: {snippet!r}"
