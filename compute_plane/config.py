@@ -35,6 +35,10 @@ class ComputeConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )
+    drain_timeout: float = field(
+        default=30.0,
+        metadata={"help": "on SIGTERM: seconds to finish in-flight requests before exiting"},
+    )
     tls_cert: str | None = field(
         default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"}
     )
@@ -50,6 +54,8 @@ class ComputeConfig:
 
     def __post_init__(self) -> None:
         self.tls  # noqa: B018 -- validates the TLS flags
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device != "cpu":

@@ -4,6 +4,11 @@ The server listens at once and reports NOT_SERVING on health until the model is
 loaded and warmed up; RPCs before that get UNAVAILABLE. Steps run on one worker
 thread, so the engine is never entered twice and the event loop stays free for
 health checks while a forward runs.
+
+SIGTERM drains: health turns NOT_SERVING, new streams and Describe get UNAVAILABLE,
+the open step stream keeps running with `draining` set on every result (so the control
+plane sends no new requests), and the process exits once it holds no request, or
+after --drain-timeout.
 """
 
 from __future__ import annotations
@@ -34,9 +39,12 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ComputePlane"].full_name
 class ComputeServicer(pb_grpc.ComputePlaneServicer):
     def __init__(self) -> None:
         self.engine: Engine | None = None
+        self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> Engine:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the compute plane is shutting down")
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         assert self.engine is not None
@@ -59,7 +67,10 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
     async def Stats(
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
-        return await self._call((await self._engine(context)).stats)
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert self.engine is not None
+        return await self._call(self.engine.stats)
 
     async def Run(
         self, request_iterator: AsyncIterator[pb.StepRequest], context: grpc.aio.ServicerContext
@@ -79,7 +90,17 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
                 log.exception("step %d failed", step.step_id)
                 await self._call(engine.reset)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {e}")
+            result.draining = self.draining
             yield result
+
+    async def drain(self, timeout: float) -> None:
+        """Refuse new work and wait, up to `timeout` s, until no request is held."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.engine is not None and self.engine.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        held = len(self.engine.requests) if self.engine else 0
+        log.info("compute plane drained (%d requests still held)", held)
 
 
 async def serve(config: ComputeConfig) -> None:
@@ -135,8 +156,11 @@ async def serve(config: ComputeConfig) -> None:
                 d.max_model_len,
             )
             await stop.wait()
+            log.info("compute plane draining for up to %.0f s", config.drain_timeout)
+            await health.set(False)
+            await servicer.drain(config.drain_timeout)
     finally:
         log.info("compute plane shutting down")
         stop_task.cancel()
-        await server.stop(grace=5)
+        await server.stop(grace=1)
         servicer.executor.shutdown(wait=False, cancel_futures=True)

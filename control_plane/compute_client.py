@@ -49,16 +49,18 @@ class ComputeClient:
         self._run = self.stub.Run()
         return self.description
 
-    async def alive(self, timeout: float = 2.0) -> bool:
+    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
         """False when the compute plane refuses connections or reports NOT_SERVING.
 
-        A slow answer is not a death: only UNAVAILABLE counts.
+        A slow answer is not a death: only UNAVAILABLE counts. A draining compute plane
+        reports NOT_SERVING on purpose while it finishes its requests: then only an
+        unreachable one is dead.
         """
         try:
             r = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             return e.code() != grpc.StatusCode.UNAVAILABLE
-        return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+        return draining or bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def step(self, request: pb.StepRequest) -> pb.StepResult:
         """Send one step and wait for its result."""

@@ -41,6 +41,10 @@ class ControlConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse KV blocks of identical prompt prefixes"}
     )
+    drain_timeout: float = field(
+        default=30.0,
+        metadata={"help": "on SIGTERM: seconds to finish in-flight requests before exiting"},
+    )
     tls_cert: str | None = field(
         default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"}
     )
@@ -72,6 +76,8 @@ class ControlConfig:
 
     def __post_init__(self) -> None:
         self.tls, self.compute_tls  # noqa: B018 -- validates the TLS flags
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

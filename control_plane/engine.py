@@ -56,6 +56,8 @@ class ControlEngine:
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         self._lost = False  # set by the watchdog when the compute plane stops answering
         self._lost_since = 0.0
+        self._compute_draining = False  # the compute plane said so: start nothing new on it
+        self.draining = False  # this process is shutting down: refuse new requests
         # Requests kept across a compute-plane failure, in re-admission order, with the
         # request whose prompt blocks they fork (n > 1) or None.
         self._parked: list[tuple[Request, Request | None]] = []
@@ -87,6 +89,7 @@ class ControlEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
         self.description = d
+        self._compute_draining = False
         self._readmit()
         self.labels = {"model_name": d.model_name}
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
@@ -105,6 +108,8 @@ class ControlEngine:
     def submit(self, prompt_ids: list[int], params: pb.GenerationParams) -> GenerateStream:
         """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable."""
         sched = self.scheduler
+        if self.draining:
+            raise ComputeUnavailable("the control plane is shutting down")
         if sched is None or not self.attached.is_set():
             raise ComputeUnavailable("no compute plane is attached")
         n = params.n or 1
@@ -238,7 +243,8 @@ class ControlEngine:
             if not self.attached.is_set():
                 misses = 0
                 continue
-            misses = 0 if await self.client.alive() else misses + 1
+            alive = await self.client.alive(draining=self._compute_draining)
+            misses = 0 if alive else misses + 1
             if misses >= 2:
                 self._lost = True
                 self._wake.set()
@@ -255,7 +261,7 @@ class ControlEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            out = sched.schedule()
+            out = sched.schedule(admit=not self._compute_draining)
             self._observe_pool()
             if out.empty:
                 self._wake.clear()
@@ -263,6 +269,9 @@ class ControlEngine:
                 continue
             self._step_id += 1
             result = await self.client.step(self._to_step(out))
+            if result.draining and not self._compute_draining:
+                log.info("the compute plane is draining: new requests wait for the next one")
+                self._compute_draining = True
             sampled = {r.request_id: r.token_id for r in result.results}
             finished = {r.request_id for r in sched.update(out, sampled)}
             self._emit(result, finished)

@@ -135,7 +135,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self._dropped)
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
+        """Plan one step. With `admit` False, running requests go on but none starts."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         planned: dict[Request, tuple[list[int], int]] = {}
@@ -163,7 +164,11 @@ class Scheduler:
 
         # No admissions in a step that had to preempt: the pool is under pressure.
         while (
-            self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
+            admit
+            and self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
             forked = req.request_id in self.block_manager.tables  # holds its parent's blocks

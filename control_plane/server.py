@@ -2,7 +2,8 @@
 
 Errors are mapped here, in one place: bad input -> INVALID_ARGUMENT, a full queue ->
 RESOURCE_EXHAUSTED, no compute plane -> UNAVAILABLE. Cancelling a Generate call
-aborts its request and frees its KV blocks at once.
+aborts its request and frees its KV blocks at once. SIGTERM drains: new requests get
+UNAVAILABLE while those in flight finish (up to --drain-timeout), then the process exits.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -200,7 +202,20 @@ async def serve(config: ControlConfig) -> None:
 
     watcher = asyncio.create_task(follow_attachment())
     await stop.wait()
-    log.info("control plane shutting down")
     watcher.cancel()
-    await server.stop(grace=5)
+    await drain(engine, health, config.drain_timeout)
+    log.info("control plane shutting down")
+    await server.stop(grace=1)
     await engine.stop()
+
+
+async def drain(engine: ControlEngine, health: HealthReporter, timeout: float) -> None:
+    """SIGTERM: refuse new requests (UNAVAILABLE), let those in flight finish, up to `timeout`."""
+    engine.draining = True
+    await health.set(False)
+    log.info("control plane draining %d requests for up to %.0f s", len(engine.streams), timeout)
+    deadline = time.monotonic() + timeout
+    while engine.streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.streams:
+        log.warning("drain timeout: %d requests cut off", len(engine.streams))

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
+import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import grpc
@@ -413,9 +416,30 @@ def create_app(config: GatewayConfig) -> FastAPI:
 async def serve(config: GatewayConfig) -> None:
     import uvicorn
 
-    server = uvicorn.Server(
+    class Server(uvicorn.Server):
+        """uvicorn re-raises SIGTERM after its graceful shutdown (exit status 143); a
+        gateway that drained cleanly exits 0, like the gRPC planes."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal)
+            yield
+
+        def _on_signal(self) -> None:
+            self.force_exit = self.should_exit  # a second signal stops at once
+            self.should_exit = True
+
+    server = Server(
         uvicorn.Config(
-            create_app(config), host=config.host, port=config.port, log_level="info", lifespan="on"
+            create_app(config),
+            host=config.host,
+            port=config.port,
+            log_level="info",
+            lifespan="on",
+            # SIGTERM: stop accepting connections, finish in-flight requests (streams too).
+            timeout_graceful_shutdown=math.ceil(config.drain_timeout),
         )
     )
     await server.serve()

@@ -32,6 +32,10 @@ class GatewayConfig:
         default=2 << 20, metadata={"help": "largest accepted request body (larger: HTTP 413)"}
     )
 
+    drain_timeout: float = field(
+        default=30.0,
+        metadata={"help": "on SIGTERM: seconds to finish in-flight requests before exiting"},
+    )
     control_tls_ca: str | None = field(
         default=None,
         metadata={"help": "PEM CA bundle: dial the control plane over TLS, verified by it"},
@@ -51,6 +55,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         self.control_tls  # noqa: B018 -- validates the TLS flags
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if not 0 < self.port < 65536:

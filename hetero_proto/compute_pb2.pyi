@@ -145,7 +145,7 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns")
+    __slots__ = ("step_id", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class StepResult(_message.Message):
     NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[TokenResult]
     error: StepError
@@ -160,7 +161,8 @@ class StepResult(_message.Message):
     num_seqs: int
     forward_ns: int
     sample_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,139 @@
+"""Graceful drain on SIGTERM, for each of the three processes (what Kubernetes sends).
+
+Each test: a request is in flight, SIGTERM arrives, the request still completes with
+every token, a new request is refused, and the process exits 0 within its timeout.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from hetero_infer.local import child, free_port, stop_process, wait_http_ready
+from hetero_proto import compute_pb2, compute_pb2_grpc
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+DRAIN = 30  # --drain-timeout of every plane here
+TOKENS = 40
+
+
+def request() -> pb.GenerateRequest:
+    params = pb.GenerationParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True)
+    return pb.GenerateRequest(text="The history of the city begins", params=params)
+
+
+def planes(extra_compute: tuple[str, ...] = ()) -> tuple[list[str], list[str], str, str]:
+    kport, cport = free_port(), free_port()
+    compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
+    k = ["compute-plane", "--port", str(kport), "--metrics-port", "0"]
+    k += ["--kv-cache-bytes", str(64 << 20), "--drain-timeout", str(DRAIN), *extra_compute]
+    c = ["control-plane", "--port", str(cport), "--compute", compute, "--metrics-port", "0"]
+    c += ["--drain-timeout", str(DRAIN)]
+    return k, c, compute, control
+
+
+def collect(responses: Iterator[pb.GenerateResponse]) -> tuple[list[int], int]:
+    tokens, finish = [], 0
+    for r in responses:
+        for c in r.choices:
+            tokens += list(c.token_ids)
+            finish = c.finish_reason or finish
+    return tokens, finish
+
+
+def started(stub: pb_grpc.ControlPlaneStub) -> tuple[Iterator[pb.GenerateResponse], list[int]]:
+    """A Generate call that has produced its first token."""
+    responses = stub.Generate(request(), timeout=120)
+    tokens: list[int] = []
+    while not tokens:
+        for c in next(responses).choices:
+            tokens += list(c.token_ids)
+    return responses, tokens
+
+
+def exits_zero(proc: subprocess.Popen[bytes], since: float) -> None:
+    assert proc.wait(timeout=DRAIN + 15) == 0
+    assert time.monotonic() - since < DRAIN
+
+
+def test_compute_plane_finishes_in_flight_then_exits() -> None:
+    k, c, compute, control = planes()
+    with child(k, compute) as kproc, child(c, control), grpc.insecure_channel(control) as ch:
+        stub = pb_grpc.ControlPlaneStub(ch)
+        reference, _ = collect(stub.Generate(request(), timeout=120))
+        responses, first = started(stub)
+        sent = time.monotonic()
+        kproc.send_signal(signal.SIGTERM)
+        with grpc.insecure_channel(compute) as kch:
+            describe = compute_pb2_grpc.ComputePlaneStub(kch).Describe
+            deadline = time.monotonic() + 10
+            while True:  # new work is refused as soon as the signal is handled
+                try:
+                    describe(compute_pb2.DescribeRequest(), timeout=5)
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE
+                    break
+                assert time.monotonic() < deadline, "Describe still served while draining"
+                time.sleep(0.05)
+        rest, finish = collect(responses)
+        assert first + rest == reference  # finished on the draining process, not parked
+        assert finish == pb.FINISH_REASON_LENGTH
+        exits_zero(kproc, sent)
+
+
+def test_control_plane_finishes_in_flight_then_exits() -> None:
+    k, c, compute, control = planes()
+    with child(k, compute), child(c, control) as cproc, grpc.insecure_channel(control) as ch:
+        stub = pb_grpc.ControlPlaneStub(ch)
+        responses, first = started(stub)
+        sent = time.monotonic()
+        cproc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                collect(stub.Generate(request(), timeout=30))
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+                break
+            assert time.monotonic() < deadline, "new requests still accepted while draining"
+        rest, finish = collect(responses)
+        assert len(first + rest) == TOKENS and finish == pb.FINISH_REASON_LENGTH
+        exits_zero(cproc, sent)
+
+
+def test_gateway_finishes_stream_then_exits() -> None:
+    k, c, compute, control = planes()
+    with child(k, compute), child(c, control):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "hetero_infer.cli", "gateway", "--port", str(port)]
+        gw = subprocess.Popen([*cmd, "--control", control, "--drain-timeout", str(DRAIN)])
+        try:
+            wait_http_ready(url + "/ready", gw)
+            model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Once upon a time", "max_tokens": TOKENS}
+            body |= {"stream": True, "ignore_eos": True, "temperature": 0}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+                sent = time.monotonic()
+                gw.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+                with pytest.raises(httpx.ConnectError):
+                    httpx.get(url + "/health", timeout=5)
+                events = [line for line in lines if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert '"finish_reason": "length"' in events[-2]
+            exits_zero(gw, sent)
+        finally:
+            stop_process(gw)
