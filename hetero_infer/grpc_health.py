@@ -7,8 +7,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 
+LIVENESS = "liveness"  # SERVING whenever the process answers (Kubernetes liveness probes)
+
+
 class HealthReporter:
-    """Registers health + reflection for `service`; `set(serving)` flips both names ("" and it)."""
+    """Registers health + reflection for `service`; `set(serving)` flips both names ("" and it).
+
+    Readiness is "" / the service name. LIVENESS stays SERVING: a control plane waiting
+    for its compute plane, or a plane draining, is not ready but must not be restarted.
+    """
 
     def __init__(self, server: grpc.aio.Server, service: str) -> None:
         self.service = service
@@ -22,3 +29,4 @@ class HealthReporter:
         status = r.SERVING if serving else r.NOT_SERVING
         for name in ("", self.service):
             await self.servicer.set(name, status)
+        await self.servicer.set(LIVENESS, r.SERVING)
