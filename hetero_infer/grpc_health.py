@@ -6,7 +6,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-
 LIVENESS = "liveness"  # SERVING whenever the process answers (Kubernetes liveness probes)
 
 
