@@ -7,6 +7,8 @@ request with the same prefix reuses them instead of recomputing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from control_plane.block_pool import Block, BlockPool, chain_hash
 from control_plane.request import Request
 
@@ -30,6 +32,16 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of usable blocks held by requests."""
         return 1.0 - self.pool.num_free / self.pool.num_usable
+
+    def slot_usage(self, requests: Iterable[Request]) -> tuple[int, int]:
+        """(slots holding a computed token, slots of the blocks they hold); shared blocks once."""
+        bs = self.block_size
+        filled: dict[int, int] = {}
+        for req in requests:
+            for i, block in enumerate(self.tables.get(req.request_id, ())):
+                n = min(bs, max(0, req.num_computed_tokens - i * bs))
+                filled[block.block_id] = max(n, filled.get(block.block_id, 0))
+        return sum(filled.values()), len(filled) * bs
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, [])]

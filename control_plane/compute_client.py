@@ -6,6 +6,8 @@ several can sit behind one control plane later.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -24,6 +26,21 @@ class StepFailed(RuntimeError):
     def __init__(self, error: pb.StepError) -> None:
         super().__init__(f"{error.code}: {error.message}")
         self.code = error.code
+
+
+class ComputeLink(Protocol):
+    """What the control plane's step loop needs from a compute plane.
+
+    ComputeClient speaks compute.proto over gRPC; hetero_infer.offline runs the compute
+    engine in the same process for offline batch inference.
+    """
+
+    address: str
+
+    async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse: ...
+    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool: ...
+    async def step(self, request: pb.StepRequest) -> pb.StepResult: ...
+    async def close(self) -> None: ...
 
 
 class ComputeClient:

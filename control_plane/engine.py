@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from compute_plane.sampling_params import SamplingSpec
 from control_plane import metrics
-from control_plane.compute_client import ComputeClient, ComputeLinkError, StepFailed
+from control_plane.compute_client import ComputeClient, ComputeLink, ComputeLinkError, StepFailed
 from control_plane.config import ControlConfig
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.outputs import Choice, GenerateStream
@@ -40,10 +40,12 @@ class ModelLimits:
 
 
 class ControlEngine:
-    def __init__(self, config: ControlConfig, tokenizer: TokenizerWrapper) -> None:
+    def __init__(
+        self, config: ControlConfig, tokenizer: TokenizerWrapper, link: ComputeLink | None = None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.client = ComputeClient(config.compute, config.compute_tls)
+        self.client: ComputeLink = link or ComputeClient(config.compute, config.compute_tls)
         self.scheduler: Scheduler | None = None
         self.description: cpb.DescribeResponse | None = None
         self.streams: dict[str, GenerateStream] = {}

@@ -160,6 +160,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             st.num_running, st.num_waiting = len(sched.running), len(sched.waiting)
             st.num_preemptions = sched.num_preemptions
             st.prefix_cache_queries, st.prefix_cache_hits = bm.prefix_queries, bm.prefix_hits
+            used, allocated = bm.slot_usage(sched.requests.values())
+            st.num_kv_slots_used, st.num_kv_slots_allocated = used, allocated
             try:
                 bm.check_integrity()
                 st.integrity_ok = True

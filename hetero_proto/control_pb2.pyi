@@ -225,7 +225,7 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., compute_attached: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_free_kv_blocks", "num_usable_kv_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "integrity_ok", "integrity_error")
+    __slots__ = ("num_free_kv_blocks", "num_usable_kv_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "integrity_ok", "integrity_error", "num_kv_slots_allocated", "num_kv_slots_used")
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USABLE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,8 @@ class EngineStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_OK_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_SLOTS_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     num_free_kv_blocks: int
     num_usable_kv_blocks: int
     num_running: int
@@ -244,4 +246,6 @@ class EngineStats(_message.Message):
     prefix_cache_hits: int
     integrity_ok: bool
     integrity_error: str
-    def __init__(self, num_free_kv_blocks: _Optional[int] = ..., num_usable_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ...) -> None: ...
+    num_kv_slots_allocated: int
+    num_kv_slots_used: int
+    def __init__(self, num_free_kv_blocks: _Optional[int] = ..., num_usable_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_kv_slots_allocated: _Optional[int] = ..., num_kv_slots_used: _Optional[int] = ...) -> None: ...

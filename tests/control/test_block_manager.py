@@ -43,6 +43,19 @@ def test_exact_ids_and_free_order() -> None:
     bm.check_integrity()
 
 
+def test_slot_usage_counts_shared_blocks_once() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = _req("a", list(range(9)))  # blocks 1, 2 full; block 3 holds 1 of 4
+    _admit(bm, a)
+    assert bm.slot_usage([a]) == (0, 12)  # allocated, nothing computed yet
+    _compute_all(bm, a)
+    assert bm.slot_usage([a]) == (9, 12)
+    b = _req("b", [*range(8), 99, 98])  # shares blocks 1, 2; block 4 holds 2
+    _admit(bm, b)
+    b.num_computed_tokens = b.num_tokens
+    assert bm.slot_usage([a, b]) == (9 + 2, 16)
+
+
 def test_prefix_hit_shares_blocks_and_is_capped() -> None:
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = _req("a", list(range(9)))

@@ -1,0 +1,180 @@
+"""Offline throughput: the same workload through our engine and HF transformers, one run.
+
+    python -m benchmarks.offline                   # default preset, writes docs/perf/offline.json
+    python -m benchmarks.offline --preset gpu      # 256 requests, 100-1024 in and out
+
+(a) ours in-process (hetero_infer.offline: scheduler + compute engine, no gRPC);
+(b) HF `generate` with static batching (left-padded batches in arrival order, each run
+    until its longest output; only the requested tokens count as useful);
+(c) ours through all three processes (HTTP -> gateway -> gRPC -> control -> compute).
+Greedy, EOS ignored, same model, same machine, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workload import PRESETS, Request, machine, make_workload, preset_dict
+from hetero_infer.model_path import resolve_model_path
+
+
+def run_ours(model: str, work: list[Request]) -> dict[str, Any]:
+    from hetero_infer.offline import OfflineLLM
+    from hetero_proto import control_pb2 as pb
+
+    llm = OfflineLLM(model)
+    params = [
+        pb.GenerationParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in work
+    ]
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt for r in work], params)
+    elapsed = time.perf_counter() - start
+    got = [len(o.token_ids[0]) for o in outs]
+    assert got == [r.output_len for r in work], "every request must produce its tokens"
+    return _figures("ours (in-process)", work, elapsed)
+
+
+def run_hf(model: str, work: list[Request], batch_size: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model)
+    if path.is_file():
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf.eval()
+    generated = 0
+    start = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        batch = work[i : i + batch_size]
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(batch):  # left padding, as generate expects
+            ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[row, width - len(r.prompt) :] = 1
+        new = max(r.output_len for r in batch)
+        with torch.no_grad():
+            out = hf.generate(  # type: ignore[misc]
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        assert isinstance(out, torch.Tensor)
+        generated += (out.shape[1] - width) * len(batch)
+    elapsed = time.perf_counter() - start
+    fig = _figures(f"HF transformers generate, static batch {batch_size}", work, elapsed)
+    fig["generated_tokens_incl_padding"] = generated
+    return fig
+
+
+def run_gateway(model: str, work: list[Request], concurrency: int) -> dict[str, Any]:
+    import subprocess
+    import sys
+
+    import httpx
+
+    from hetero_infer.local import free_port, local_planes, stop_process, wait_http_ready
+
+    with local_planes(model) as control:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "hetero_infer.cli", "--log-level", "WARNING", "gateway"]
+        gw = subprocess.Popen([*cmd, "--port", str(port), "--control", control])
+        try:
+            wait_http_ready(url + "/ready", gw)
+            name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+            async def main() -> tuple[float, list[int]]:
+                limit = asyncio.Semaphore(concurrency)
+                async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+
+                    async def one(r: Request) -> int:
+                        body = {"model": name, "prompt": r.prompt, "max_tokens": r.output_len}
+                        body |= {"temperature": 0, "ignore_eos": True}
+                        async with limit:
+                            resp = await http.post("/v1/completions", json=body)
+                        resp.raise_for_status()
+                        return int(resp.json()["usage"]["completion_tokens"])
+
+                    start = time.perf_counter()
+                    counts = await asyncio.gather(*(one(r) for r in work))
+                    return time.perf_counter() - start, list(counts)
+
+            elapsed, counts = asyncio.run(main())
+        finally:
+            stop_process(gw)
+    assert counts == [r.output_len for r in work], "every request must produce its tokens"
+    return _figures("ours through gateway + gRPC (3 processes)", work, elapsed)
+
+
+def _figures(name: str, work: list[Request], elapsed: float) -> dict[str, Any]:
+    useful = sum(r.output_len for r in work)
+    prompt = sum(len(r.prompt) for r in work)
+    return {
+        "system": name,
+        "seconds": round(elapsed, 3),
+        "useful_output_tokens": useful,
+        "output_tokens_per_s": round(useful / elapsed, 2),
+        "total_tokens_per_s": round((useful + prompt) / elapsed, 2),
+        "requests_per_s": round(len(work) / elapsed, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-gateway", action="store_true")
+    ap.add_argument("--concurrency", type=int, default=256, help="gateway run: requests in flight")
+    ap.add_argument("--out", type=Path, default=Path("docs/perf/offline.json"))
+    args = ap.parse_args(argv)
+    work = make_workload(PRESETS[args.preset], args.seed)
+    report: dict[str, Any] = {
+        "benchmark": "offline",
+        "preset": args.preset,
+        "workload": preset_dict(PRESETS[args.preset]) | {"seed": args.seed},
+        "machine": machine(),
+        "runs": [],
+    }
+    ours = run_ours(args.model, work)
+    report["runs"].append(ours)
+    print(json.dumps(ours))
+    if not args.skip_hf:
+        hf = run_hf(args.model, work, args.hf_batch_size)
+        report["runs"].append(hf)
+        report["ours_vs_hf"] = round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
+        print(json.dumps(hf))
+    if not args.skip_gateway:
+        gw = run_gateway(args.model, work, args.concurrency)
+        report["runs"].append(gw)
+        ratio = gw["output_tokens_per_s"] / ours["output_tokens_per_s"]
+        report["gateway_vs_offline"] = round(ratio, 2)
+        print(json.dumps(gw))
+    report["machine"]["load_average_after"] = machine()["load_average"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for key in ("ours_vs_hf", "gateway_vs_offline"):
+        if key in report:
+            print(f"{key}: {report[key]}x")
+    print(f"report: {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Control-plane overhead per step at 1, 64 and 256 running sequences.
+
+    python -m benchmarks.overhead        # writes docs/perf/overhead.json
+
+A real control plane process (scheduler, block manager, detokeniser, stop checks,
+Generate streams to a gRPC client) drives benchmarks.instant_compute, which answers
+every step at once. The gap between a step's result and the next step, measured on the
+compute side, is what the control plane costs per step; the model's time is not in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchmarks.workload import machine
+from hetero_infer.local import child, free_port, stop_process, wait_serving
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+
+
+async def _drive(control: str, num_seqs: int, steps: int, seed: int) -> None:
+    """num_seqs streams decoding together; returns after about `steps` decode steps."""
+    rng = random.Random(seed)
+    async with grpc.aio.insecure_channel(control) as ch:
+        stub = pb_grpc.ControlPlaneStub(ch)
+        counts = [0] * num_seqs
+
+        async def one(i: int) -> None:
+            params = pb.GenerationParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
+            prompt = [rng.randint(100, 20000) for _ in range(16)]
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params)
+            async for resp in stub.Generate(req):
+                for c in resp.choices:
+                    counts[i] += len(c.token_ids)
+                if counts[i] >= steps:
+                    return
+
+        await asyncio.gather(*(one(i) for i in range(num_seqs)))
+
+
+def measure(num_seqs: int, steps: int, seed: int = 0) -> dict[str, Any]:
+    kport, cport = free_port(), free_port()
+    compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
+    with tempfile.TemporaryDirectory() as tmp:
+        record = Path(tmp) / "gaps.json"
+        cmd = [sys.executable, "-m", "benchmarks.instant_compute", "--port", str(kport)]
+        harness = subprocess.Popen([*cmd, "--record", str(record)])
+        try:
+            wait_serving(compute, harness, timeout=60)
+            args = ["--log-level", "WARNING", "control-plane", "--port", str(cport)]
+            args += ["--compute", compute, "--metrics-port", "0", "--max-num-seqs", "256"]
+            with child(args, control):
+                started = time.perf_counter()
+                asyncio.run(_drive(control, num_seqs, steps, seed))
+                wall = time.perf_counter() - started
+        finally:
+            stop_process(harness)
+        gaps = json.loads(record.read_text())
+    steady = sorted(g for n, g in gaps if n == num_seqs)
+    assert steady, f"no step ran with {num_seqs} sequences"
+    ms = [g * 1000 for g in steady]
+    return {
+        "running_sequences": num_seqs,
+        "steps_measured": len(ms),
+        "ms_per_step_mean": round(statistics.fmean(ms), 3),
+        "ms_per_step_p50": round(ms[len(ms) // 2], 3),
+        "ms_per_step_p90": round(ms[int(len(ms) * 0.9)], 3),
+        "ms_per_step_p99": round(ms[min(len(ms) - 1, int(len(ms) * 0.99))], 3),
+        "us_per_sequence_per_step": round(statistics.fmean(ms) * 1000 / num_seqs, 1),
+        "wall_seconds": round(wall, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--seqs", default="1,64,256", help="running sequences to measure at")
+    ap.add_argument("--steps", type=int, default=200, help="decode steps per measurement")
+    ap.add_argument("--out", type=Path, default=Path("docs/perf/overhead.json"))
+    args = ap.parse_args(argv)
+    report: dict[str, Any] = {"benchmark": "control-plane overhead", "machine": machine()}
+    report["results"] = []
+    for n in (int(x) for x in args.seqs.split(",")):
+        r = measure(n, args.steps)
+        report["results"].append(r)
+        print(json.dumps(r))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Seeded synthetic workloads: random-token prompts and output lengths, EOS ignored."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Preset:
+    num_requests: int
+    prompt_len: tuple[int, int]  # uniform, inclusive
+    output_len: tuple[int, int]
+
+
+PRESETS = {
+    "default": Preset(64, (32, 512), (32, 256)),  # this 2-core CPU
+    "gpu": Preset(256, (100, 1024), (100, 1024)),
+    "tiny": Preset(4, (8, 16), (4, 8)),  # smoke tests
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    output_len: int
+
+
+def make_workload(
+    preset: Preset, seed: int = 0, vocab: tuple[int, int] = (100, 40000)
+) -> list[Request]:
+    """Prompts of random ordinary token ids (no special tokens), lengths uniform in range."""
+    rng = random.Random(seed)
+    return [
+        Request(
+            [rng.randint(*vocab) for _ in range(rng.randint(*preset.prompt_len))],
+            rng.randint(*preset.output_len),
+        )
+        for _ in range(preset.num_requests)
+    ]
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on, including how busy the machine was."""
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def preset_dict(preset: Preset) -> dict[str, Any]:
+    return asdict(preset)

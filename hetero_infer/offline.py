@@ -1,0 +1,114 @@
+"""Offline batch inference in one process (what vLLM calls `LLM.generate`).
+
+The control plane's engine (tokenizer, scheduler, block manager, detokenizer, stop
+strings) drives the compute engine directly: same code as serving, minus gRPC and HTTP.
+
+    llm = OfflineLLM("default")
+    outs = llm.generate([[1, 2, 3]], [GenerationParams(max_tokens=8, temperature=0)])
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from compute_plane.config import ComputeConfig
+from compute_plane.engine import Engine, StepRejected
+from compute_plane.loader import load_model
+from control_plane.compute_client import StepFailed
+from control_plane.config import ControlConfig
+from control_plane.engine import ControlEngine
+from control_plane.outputs import GenerateStream
+from control_plane.tokenizer import load_tokenizer
+from hetero_infer.model_path import resolve_model_path
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+
+class InProcessCompute:
+    """A ComputeLink to a compute Engine in this process: a step is a function call."""
+
+    address = "in-process"
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def attach(self, timeout: float = 10.0) -> cpb.DescribeResponse:
+        self.engine.reset()
+        return self.engine.describe()
+
+    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
+        return True
+
+    async def step(self, request: cpb.StepRequest) -> cpb.StepResult:
+        try:
+            return self.engine.step(request)
+        except StepRejected as e:
+            raise StepFailed(cpb.StepError(code=e.code, message=str(e))) from e
+
+    async def close(self) -> None:
+        return None
+
+
+@dataclass
+class Completion:
+    """One prompt's result: n choices, in index order."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    finish_reasons: list[int] = field(default_factory=list)
+
+
+class OfflineLLM:
+    def __init__(
+        self,
+        model: str = "default",
+        compute: ComputeConfig | None = None,
+        control: ControlConfig | None = None,
+    ) -> None:
+        path = resolve_model_path(model)
+        self.compute_config = compute or ComputeConfig(model=str(path), metrics_port=0)
+        self.control_config = control or ControlConfig(model=str(path), metrics_port=0)
+        self.tokenizer = load_tokenizer(path)
+        self.engine = Engine(self.compute_config, load_model(path, progress=False))
+        self.engine.warmup()
+
+    def generate(
+        self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
+    ) -> list[Completion]:
+        """Run every prompt to the end, all admitted at once; results in prompt order."""
+        assert len(prompts) == len(params), "one GenerationParams per prompt"
+        return asyncio.run(self._generate(prompts, params))
+
+    async def _generate(
+        self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
+    ) -> list[Completion]:
+        control = ControlEngine(self.control_config, self.tokenizer, InProcessCompute(self.engine))
+        await control.start()
+        try:
+            await control.attached.wait()
+            streams = []
+            for prompt, p in zip(prompts, params, strict=True):
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                streams.append(control.submit(ids, p))
+            return [await _collect(s) for s in streams]
+        finally:
+            await control.stop()
+
+
+async def _collect(stream: GenerateStream) -> Completion:
+    out = Completion(list(stream.prompt_token_ids))
+    n = len(stream.choices)
+    out.token_ids, out.texts, out.finish_reasons = [[] for _ in range(n)], [""] * n, [0] * n
+    while True:
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        for c in item.choices:
+            out.token_ids[c.index].extend(c.token_ids)
+            out.texts[c.index] += c.text
+            out.finish_reasons[c.index] = c.finish_reason or out.finish_reasons[c.index]
+        if item.HasField("usage"):
+            return out

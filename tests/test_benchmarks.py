@@ -1,0 +1,64 @@
+"""The benchmarks run end to end on a tiny workload, so they cannot rot unseen.
+
+These check structure and accounting (every request produced the tokens it asked for),
+not speed: speed is what the benchmarks themselves report (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import offline, online, overhead
+from benchmarks.workload import PRESETS
+
+pytestmark = pytest.mark.slow
+
+
+def test_offline_ours_vs_hf_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "offline.json"
+    report = offline.main(
+        ["--preset", "tiny", "--hf-batch-size", "2", "--skip-gateway", "--out", str(out)]
+    )
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    ours, hf = report["runs"]
+    tiny = PRESETS["tiny"]
+    assert ours["useful_output_tokens"] == hf["useful_output_tokens"]
+    assert hf["generated_tokens_incl_padding"] >= hf["useful_output_tokens"]
+    assert tiny.output_len[0] * tiny.num_requests <= ours["useful_output_tokens"]
+    assert report["ours_vs_hf"] > 0
+
+
+def test_online_load_generator_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "online.json"
+    report = online.main(
+        [
+            "--launch",
+            "--preset",
+            "tiny",
+            "--arrival",
+            "sequential",
+            "--concurrencies",
+            "1,4",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    runs = report["runs"]
+    assert [r["max_concurrency"] for r in runs] == [1, 4]
+    for r in runs:
+        assert r["completed"] == r["requests"] == PRESETS["tiny"].num_requests and not r["errors"]
+        assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+        assert r["kv_waste"] is None or 0 <= r["kv_waste"]["mean"] < 1
+    assert [Path(p).name for p in report["plots"]] == ["online_throughput_vs_concurrency.png"]
+    assert (tmp_path / "online_throughput_vs_concurrency.png").stat().st_size > 1000
+
+
+def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
+    report = overhead.main(["--seqs", "2", "--steps", "20", "--out", str(tmp_path / "o.json")])
+    (r,) = report["results"]
+    assert r["running_sequences"] == 2 and r["steps_measured"] >= 10
+    assert 0 < r["ms_per_step_p50"] <= r["ms_per_step_p99"]
