@@ -17,17 +17,20 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchmarks.workload import PRESETS, Request, machine, make_workload, preset_dict
 from hetero_infer.model_path import resolve_model_path
 
+if TYPE_CHECKING:
+    from hetero_infer.offline import OfflineLLM
 
-def run_ours(model: str, work: list[Request]) -> dict[str, Any]:
+
+def run_ours(model: str | OfflineLLM, work: list[Request]) -> dict[str, Any]:
     from hetero_infer.offline import OfflineLLM
     from hetero_proto import control_pb2 as pb
 
-    llm = OfflineLLM(model)
+    llm = OfflineLLM(model) if isinstance(model, str) else model
     params = [
         pb.GenerationParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in work
     ]
@@ -44,19 +47,22 @@ def run_hf(model: str, work: list[Request], batch_size: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model)
+    # As ours runs: fp32 on the CPU, bf16 on a GPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if path.is_file():
         hf = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
+            str(path.parent), gguf_file=path.name, dtype=dtype
         )
     else:
-        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    hf.eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    hf.to(device).eval()
     generated = 0
     start = time.perf_counter()
     for i in range(0, len(work), batch_size):
         batch = work[i : i + batch_size]
         width = max(len(r.prompt) for r in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
         for row, r in enumerate(batch):  # left padding, as generate expects
             ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
@@ -74,6 +80,8 @@ def run_hf(model: str, work: list[Request], batch_size: int) -> dict[str, Any]:
             )
         assert isinstance(out, torch.Tensor)
         generated += (out.shape[1] - width) * len(batch)
+    if device == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     fig = _figures(f"HF transformers generate, static batch {batch_size}", work, elapsed)
     fig["generated_tokens_incl_padding"] = generated

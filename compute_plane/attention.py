@@ -13,6 +13,7 @@ attend causally within the chunk and fully to the prefix already in the cache):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,31 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None = None  # [D * nb] the decodes' block tables, 0-padded
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb * block_size] valid positions
     prefill_spans: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # Derived by the Triton backend's prepare() (attention_triton.py). seq_lens_tensor may
+    # be given instead: CUDA graphs pass a static buffer that replays overwrite.
+    seq_lens_tensor: torch.Tensor | None = None  # [B] int32, on the device
+    query_start_loc: torch.Tensor | None = None  # [P + 1] int32: prefill chunks' query rows
+    num_splits: int = 1  # split-K parts of each decode's context
+
+
+class AttentionBackend(Protocol):
+    """What the model calls: prepare() once per step, forward() once per layer."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write k/v at meta.slot_mapping, then attend; q [T, H, D] -> [T, H, D]."""
+        ...
 
 
 class TorchPagedAttention:

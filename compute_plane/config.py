@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from hetero_infer.tls import ServerTLS
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -17,13 +19,46 @@ class ComputeConfig:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind the gRPC server to"})
     port: int = field(default=50052, metadata={"help": "gRPC port"})
-    device: str = field(default="cpu", metadata={"help": "cpu (CUDA arrives with the GPU backend)"})
+    device: str = field(
+        default="auto",
+        metadata={"help": "auto (cuda if torch sees a GPU, else cpu), cuda[:N], cpu"},
+    )
     dtype: str = field(
-        default="float32", metadata={"help": f"weights and KV cache dtype: {', '.join(_DTYPES)}"}
+        default="auto",
+        metadata={
+            "help": f"weights and KV cache dtype: {', '.join(_DTYPES)} "
+            "(auto: float32 on CPU, bfloat16 on CUDA)"
+        },
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (triton on CUDA, torch on CPU), torch, triton "
+            "(on CPU only under TRITON_INTERPRET=1, for tests)"
+        },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     kv_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "CPU: bytes for the KV cache (decides the block count)"}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={
+            "help": "CUDA: fraction of the GPU's memory this process may use (sizes the KV pool)"
+        },
+    )
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata={
+            "help": "CUDA: most tokens in one step (sizes the profiling forward; larger steps are refused)"
+        },
+    )
+    max_num_seqs: int = field(
+        default=256, metadata={"help": "CUDA: most requests in one step (largest CUDA graph)"}
+    )
+    cuda_graphs: bool = field(
+        default=True,
+        metadata={"help": "CUDA: replay decode steps from CUDA graphs captured at start-up"},
     )
     max_model_len: int | None = field(
         default=None,
@@ -58,9 +93,20 @@ class ComputeConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.device != "cpu":
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in _BACKENDS:
             raise ValueError(
-                f"device must be 'cpu' (got {self.device!r}); the CUDA backend is not built yet"
+                f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError(
+                "max_num_batched_tokens and max_num_seqs must be >= 1, got "
+                f"{self.max_num_batched_tokens} and {self.max_num_seqs}"
             )
         if not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size must be in 1..256, got {self.block_size}")

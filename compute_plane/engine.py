@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,14 @@ import torch
 from compute_plane import metrics
 from compute_plane.attention import AttentionMetadata
 from compute_plane.config import ComputeConfig
+from compute_plane.cuda_graphs import DecodeGraphs
+from compute_plane.device import (
+    model_kernels,
+    resolve_attention_backend,
+    resolve_device,
+    resolve_dtype,
+)
+from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, num_blocks_for_budget
 from compute_plane.loader import LoadedModel
 from compute_plane.model import Model
@@ -62,19 +71,39 @@ class Engine:
         self.config = config
         self.model_config = loaded.config
         self.model_name = loaded.config.name or loaded.path.name
-        self.device = torch.device(config.device)
-        self.dtype = getattr(torch, config.dtype)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         cfg = loaded.config
         self.block_size = config.block_size
-        num_blocks = num_blocks_for_budget(cfg, self.block_size, self.dtype, config.kv_cache_bytes)
-        self.max_model_len = min(
-            cfg.max_position_embeddings,
-            config.max_model_len or cfg.max_position_embeddings,
-            (num_blocks - 1) * self.block_size,
+        backend = resolve_attention_backend(config.attention_backend, self.device)
+        kernels = model_kernels(backend, cfg, self.device)
+        max_len = min(
+            cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings
         )
-        self.model = Model(cfg, loaded.weights, self.device, self.dtype, self.max_model_len + 1)
+        if self.device.type == "cuda":  # the pool gets what is left once a step has run
+            free_before, _ = torch.cuda.mem_get_info(self.device)
+            self.model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
+            num_blocks = num_blocks_from_free_memory(self.model, config, max_len, free_before)
+        else:
+            num_blocks = num_blocks_for_budget(
+                cfg, self.block_size, self.dtype, config.kv_cache_bytes
+            )
+            max_len = min(max_len, (num_blocks - 1) * self.block_size)
+            self.model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
+        self.max_model_len = min(max_len, (num_blocks - 1) * self.block_size)
         self.kv_cache = KVCache(cfg, num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
+        self.graphs = (  # decode graphs need the Triton kernels: they make no host round trips
+            DecodeGraphs(
+                self.model,
+                self.kv_cache.layers,
+                self.block_size,
+                self.max_model_len,
+                config.max_num_seqs,
+            )
+            if self.device.type == "cuda" and config.cuda_graphs and backend == "triton"
+            else None
+        )
         self.requests: dict[str, RequestState] = {}
         self.counters = pb.StatsResponse()
         self._metric_labels = {"model_name": self.model_name}
@@ -87,7 +116,12 @@ class Engine:
     def _init_metrics(self, loaded: LoadedModel) -> None:
         m = self._metric_labels
         metrics.kv_blocks_total.labels(**m).set(self.num_blocks)
-        metrics.kv_blocks_used.labels(**m).set_function(self._blocks_in_use)
+        # A weak reference: the metric registry is global and must not keep the engine
+        # (its weights and KV cache) alive after its owner drops it.
+        ref = weakref.ref(self)
+        metrics.kv_blocks_used.labels(**m).set_function(
+            lambda: e._blocks_in_use() if (e := ref()) is not None else 0
+        )
         weights = sum(t.nbytes for t in loaded.weights.values())
         held = (
             torch.cuda.memory_allocated()
@@ -108,7 +142,7 @@ class Engine:
         return pb.DescribeResponse(
             model_name=self.model_name,
             architecture=cfg.architecture,
-            dtype=self.config.dtype,
+            dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
             block_size=self.block_size,
             num_kv_blocks=self.num_blocks,
@@ -148,6 +182,8 @@ class Engine:
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         hidden = self.model.forward(zero, zero, meta, self.kv_cache.layers)
         self.model.logits(hidden)
+        if self.graphs is not None:
+            self.graphs.capture()
 
     def step(self, req: pb.StepRequest) -> pb.StepResult:
         """Run one step. Raises StepRejected (no state changed) for a malformed step."""
@@ -228,6 +264,13 @@ class Engine:
                 rid, state, len(state.block_ids) + len(c.new_block_ids), c.num_scheduled_tokens
             )
             rows.append((rid, state, c.num_scheduled_tokens))
+        total = sum(n for _, _, n in rows)
+        if self.device.type == "cuda" and total > self.config.max_num_batched_tokens:
+            raise StepRejected(
+                f"step of {total} tokens exceeds max_num_batched_tokens "
+                f"{self.config.max_num_batched_tokens} (the activation peak the KV pool was sized for)",
+                "RESOURCE_EXHAUSTED",
+            )
         return rows
 
     def _check_count(self, rid: str, state: RequestState, num_blocks: int, n: int) -> None:
@@ -275,12 +318,14 @@ class Engine:
             block_size=bs,
         )
         t0 = time.perf_counter_ns()
-        hidden = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            self.kv_cache.layers,
-        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        graph = self.graphs.padded_size(meta) if self.graphs is not None else None
+        if graph is not None:
+            assert self.graphs is not None
+            hidden = self.graphs.run(graph, input_ids, pos_t, meta)
+        else:
+            hidden = self.model.forward(input_ids, pos_t, meta, self.kv_cache.layers)
         if self.capture_logits:
             every = self.model.logits(hidden).split([r.count for r in rows])
             for r, lg in zip(rows, every, strict=True):

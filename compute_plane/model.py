@@ -8,10 +8,13 @@ fused on load (q|k|v and gate|up become one matmul each).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from compute_plane.attention import AttentionMetadata, TorchPagedAttention
+from compute_plane.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from compute_plane.model_config import ModelConfig
 from compute_plane.rotary import RotaryEmbedding
 
@@ -21,6 +24,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): a residual add and the norm after it."""
+    h = residual + x
+    return rms_norm(h, weight, eps), h
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """The kernels a forward runs; torch's by default, Triton's on CUDA (attention_triton.py)."""
+
+    attention: AttentionBackend
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    rotary: type[RotaryEmbedding]
+
+
+def torch_kernels(cfg: ModelConfig) -> ModelKernels:
+    return ModelKernels(
+        TorchPagedAttention(scale=cfg.head_dim**-0.5), rms_norm, add_rms_norm, RotaryEmbedding
+    )
 
 
 class Layer:
@@ -56,8 +85,10 @@ class Model:
         device: torch.device,
         dtype: torch.dtype,
         max_positions: int,
+        kernels: ModelKernels | None = None,
     ) -> None:
         self.cfg = cfg
+        kernels = kernels or torch_kernels(cfg)
         w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = (
@@ -65,10 +96,12 @@ class Model:
         )
         self.final_norm = w["model.norm.weight"]
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
-        self.rotary = RotaryEmbedding(
+        self.rotary = kernels.rotary(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, dtype
         )
-        self.attention = TorchPagedAttention(scale=cfg.head_dim**-0.5)
+        self.attention = kernels.attention
+        self.norm = kernels.rms_norm
+        self.add_norm = kernels.add_rms_norm
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -86,22 +119,23 @@ class Model:
         self.attention.prepare(meta)
         h = self.embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(h, layer.input_norm, eps)
+            x = self.norm(h, layer.input_norm, eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
             k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
+                q = self.norm(q, layer.q_norm, eps)
+                k = self.norm(k, layer.k_norm, eps)
             q, k = self.rotary(q, k, positions)
             o = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            h = h + F.linear(o.reshape(-1, self.q_size), layer.o)
-            x = rms_norm(h, layer.post_norm, eps)
+            x, h = self.add_norm(
+                F.linear(o.reshape(-1, self.q_size), layer.o), h, layer.post_norm, eps
+            )
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, layer.down)
-        return rms_norm(h, self.final_norm, eps)
+        return self.norm(h, self.final_norm, eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,270 @@
+"""GPU benchmark: decode-kernel bandwidth, model step time vs its memory bound, throughput.
+
+    python -m benchmarks.gpu                       # writes docs/perf/gpu.json
+    python -m benchmarks.gpu --hf                  # also HF transformers generate, same workload
+
+Three figures, each against what the hardware allows:
+
+1. **Decode attention kernel**: bytes of K/V it must read / its time, against the
+   device-to-device copy bandwidth measured in the same run (the practical peak).
+2. **Model decode step** (CUDA graph replay, batch 1 and 64): its time against
+   (weight bytes + K/V bytes) / copy bandwidth, the least a memory-bound step can take.
+3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
+   EOS ignored, through `OfflineLLM` (scheduler + engine in one process).
+
+The model is randomly initialised with Qwen3-0.6B's shape (28 layers, hidden 1024,
+16 query / 8 KV heads of 128, vocabulary 151936, tied embeddings), written as a
+safetensors folder with a word-level tokenizer of the same vocabulary, so nothing
+is downloaded. Random weights change no kernel's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.workload import PRESETS, machine, make_workload, preset_dict
+
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+}
+
+
+def write_random_model(folder: Path, cfg: dict[str, Any] = QWEN3_0_6B, seed: int = 0) -> Path:
+    """A safetensors folder of random weights in `cfg`'s shape, with a word-level tokenizer."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    hidden, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
+        t = torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * std
+        return t.to(torch.bfloat16).cpu()
+
+    def norm(n: int) -> torch.Tensor:
+        return (1 + rand(n, std=0.1).float()).to(torch.bfloat16)
+
+    w = {
+        "model.embed_tokens.weight": rand(cfg["vocab_size"], hidden),
+        "model.norm.weight": norm(hidden),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "self_attn.q_proj.weight": rand(h * d, hidden),
+            p + "self_attn.k_proj.weight": rand(kvh * d, hidden),
+            p + "self_attn.v_proj.weight": rand(kvh * d, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, h * d),
+            p + "self_attn.q_norm.weight": norm(d),
+            p + "self_attn.k_norm.weight": norm(d),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": norm(hidden),
+            p + "post_attention_layernorm.weight": norm(hidden),
+        }
+    save_file(w, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    vocab = {f"t{i}": i for i in range(cfg["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _time_cuda(fn: Any, iters: int = 50, warmup: int = 5) -> float:
+    """Mean seconds per call, by CUDA events around `iters` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy, counting bytes read and written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = _time_cuda(lambda: dst.copy_(src), iters=20)
+    return 2 * (1 << 30) / t
+
+
+def kernel_bandwidth(peak: float) -> list[dict[str, Any]]:
+    """Decode attention over bf16 caches in Qwen3-0.6B's head shape, several batch x context."""
+    from compute_plane.kernels.decode_attention import choose_num_splits, paged_decode_attention
+
+    h, kvh, d, bs = 16, 8, 128, 16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for batch, ctx in ((1, 8192), (1, 32768), (16, 4096), (64, 2048), (256, 1024)):
+        blocks_each = -(-ctx // bs)
+        n = batch * blocks_each + 1
+        k = torch.randn(n, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        perm = 1 + torch.randperm(n - 1, device="cuda")  # scattered blocks, as in serving
+        tables = perm.view(batch, blocks_each).to(torch.int32)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, h, d, device="cuda", dtype=torch.bfloat16)
+        splits = choose_num_splits(batch, kvh, ctx, sms)
+        out = torch.empty_like(q)
+
+        def run() -> None:
+            paged_decode_attention(q, k, v, tables, lens, d**-0.5, splits, out=out)  # noqa: B023
+
+        t = _time_cuda(run)
+        kv_bytes = 2 * batch * ctx * kvh * d * 2
+        rows.append(
+            {
+                "batch": batch,
+                "context": ctx,
+                "splits": splits,
+                "us": round(t * 1e6, 1),
+                "GB_per_s": round(kv_bytes / t / 1e9, 1),
+                "of_copy_bandwidth": round(kv_bytes / t / peak, 3),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_graph_time(engine: Any, batch: int, ctx: int) -> float:
+    """Seconds per replay of the decode graph of `batch`, each sequence `ctx` tokens long."""
+    graphs = engine.graphs
+    assert graphs is not None, "CUDA graphs are off"
+    size = next(b for b in graphs.sizes if b >= batch)
+    need = -(-ctx // engine.block_size)
+    assert size * need < engine.num_blocks, "KV pool too small for this probe"
+    tables = 1 + torch.arange(size * need, dtype=torch.int32, device="cuda").view(size, need)
+    graphs.tables.zero_()
+    graphs.tables[:size, :need].copy_(tables)
+    graphs.seq_lens[:size].fill_(ctx)
+    graphs.positions[:size].fill_(ctx - 1)
+    graphs.slots[:size].copy_(tables[:, -1].long() * engine.block_size)
+    return _time_cuda(graphs.graphs[size].replay, iters=30)
+
+
+def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
+    cfg = engine.model_config
+    weight_bytes = sum(
+        t.nbytes
+        for t in [engine.model.embed, engine.model.final_norm]
+        + [x for layer in engine.model.layers for x in vars(layer).values() if torch.is_tensor(x)]
+    )
+    per_token_kv = (
+        2
+        * cfg.num_layers
+        * cfg.num_kv_heads
+        * cfg.head_dim
+        * engine.kv_cache.layers[0][0].element_size()
+    )
+    rows = []
+    for batch, ctx in ((1, 512), (64, 512), (256, 512)):
+        t = _decode_graph_time(engine, batch, ctx)
+        bound = (weight_bytes + batch * ctx * per_token_kv) / peak
+        rows.append(
+            {
+                "batch": batch,
+                "context": ctx,
+                "ms": round(t * 1e3, 3),
+                "memory_bound_ms": round(bound * 1e3, 3),
+                "of_memory_bound": round(bound / t, 3),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model-dir", type=Path, default=Path("/tmp/qwen3-0.6b-random"))
+    ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--hf", action="store_true", help="also HF generate, static batches")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("docs/perf/gpu.json"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.gpu needs a CUDA device")
+    from benchmarks.offline import run_hf, run_ours
+    from hetero_infer.offline import OfflineLLM
+
+    report: dict[str, Any] = {"benchmark": "gpu", "machine": machine()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after each part, so a cut-short run keeps what it measured
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    peak = copy_bandwidth()
+    report["copy_bandwidth_GB_per_s"] = round(peak / 1e9, 1)
+    print(f"device-to-device copy: {peak / 1e9:.0f} GB/s", flush=True)
+    report["decode_kernel"] = kernel_bandwidth(peak)
+    save()
+
+    folder = write_random_model(args.model_dir)
+    started = time.perf_counter()
+    llm = OfflineLLM(str(folder))
+    report["engine_start_s"] = round(time.perf_counter() - started, 1)
+    desc = llm.engine.describe()
+    report["engine"] = {
+        "dtype": desc.dtype,
+        "attention_backend": desc.attention_backend,
+        "num_kv_blocks": desc.num_kv_blocks,
+        "block_size": desc.block_size,
+        "cuda_graphs": llm.engine.graphs is not None,
+    }
+    report["decode_step"] = step_times(llm.engine, peak)
+    save()
+
+    work = make_workload(PRESETS[args.preset], args.seed, vocab=(100, 150000))
+    report["workload"] = preset_dict(PRESETS[args.preset]) | {"seed": args.seed}
+    ours = run_ours(llm, work)
+    report["throughput"] = [ours]
+    print(json.dumps(ours), flush=True)
+    save()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.hf:
+        hf = run_hf(str(folder), work, args.hf_batch_size)
+        report["throughput"].append(hf)
+        report["ours_vs_hf"] = round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
+        print(json.dumps(hf), flush=True)
+    save()
+    print(f"report: {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Turn the config's `auto` choices into a device, a dtype and an attention backend."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from compute_plane.kernels import interpreted
+from compute_plane.model import ModelKernels
+from compute_plane.model_config import ModelConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto = the first CUDA device if torch sees one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {name!r}: torch sees no CUDA device (torch {torch.__version__}, "
+            "CUDA build: {}); use --device cpu".format(torch.version.cuda or "no")
+        )
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto = float32 on the CPU; bfloat16 on CUDA (float16 where the GPU lacks bf16)."""
+    if name != "auto":
+        return getattr(torch, name)  # type: ignore[no-any-return]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """auto = triton on CUDA, torch on the CPU. triton on the CPU is the interpreter's test mode."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(
+                "attention backend 'triton' needs the triton package "
+                "(pip install 'hetero-paged-infer[gpu]')"
+            )
+        if device.type == "cpu" and not interpreted():
+            raise ValueError(
+                "attention backend 'triton' on the CPU runs only under the Triton interpreter "
+                "(TRITON_INTERPRET=1, a test mode); use --attention-backend torch"
+            )
+    return name
+
+
+def model_kernels(backend: str, cfg: ModelConfig, device: torch.device) -> ModelKernels | None:
+    """The kernel set of a resolved backend; None = the model's torch default."""
+    if backend != "triton":
+        return None
+    from compute_plane.attention_triton import triton_kernels  # imports triton
+
+    return triton_kernels(cfg, device)

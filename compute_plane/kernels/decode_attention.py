@@ -1,0 +1,248 @@
+"""Paged attention for decode: one query token per sequence, split-K over the context.
+
+Grid of the first kernel: (sequence, KV head, split). One program loads the query
+rows of every head that shares its KV head (GQA/MQA: the group is padded to 16
+rows so the scores are one `tl.dot`), walks its share of the context BLOCK_N tokens
+at a time through the block table, and keeps an online softmax:
+
+    context  [0 ........................................ seq_len)
+    splits   [ split 0  )[ split 1  )[ split 2  )[ split 3 )      NUM_SPLITS = 4
+    tiles     |BN|BN|BN|  |BN|BN|BN|  ...                          each split a multiple of BLOCK_N
+
+With one split the program writes the output directly. With more (flash-decoding,
+for long contexts and small batches, so enough programs fill the GPU) each split
+writes its normalised partial output and log-sum-exp, and `_combine` merges them.
+A split that starts past the end of a short sequence writes lse = -inf and counts
+for nothing. Head dims that are not powers of two (80, 96) are padded to BLOCK_D
+with masked lanes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compute_plane.kernels import interpreted
+
+
+@triton.jit
+def _decode_split(
+    q_ptr,  # [B, H, D]
+    k_cache,  # [N, bs, KVH, D]
+    v_cache,
+    block_tables,  # [B, max_blocks] int32
+    seq_lens,  # [B] int32
+    out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial outputs [B, H, NUM_SPLITS, D] fp32
+    lse_ptr,  # [B, H, NUM_SPLITS] fp32 (unused when NUM_SPLITS == 1)
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kt,
+    stride_kh,
+    stride_vn,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    q = q * scale
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        tok = n % BLOCK_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache
+            + block[:, None] * stride_kn
+            + tok[:, None] * stride_kt
+            + kvh * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache
+            + block[:, None] * stride_vn
+            + tok[:, None] * stride_vt
+            + kvh * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    nonempty = l_i > 0.0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs + split * stride_os, out, mask=o_mask)
+        lse = tl.where(nonempty, m_i + tl.log(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(
+            lse_ptr + (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split,
+            lse,
+            mask=g_mask,
+        )
+
+
+@triton.jit
+def _combine(
+    part_ptr,  # [B, H, NUM_SPLITS, D] fp32
+    lse_ptr,  # [B, H, NUM_SPLITS] fp32
+    out_ptr,  # [B, H, D]
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    lse = tl.load(
+        lse_ptr + (seq * NUM_HEADS + head) * NUM_SPLITS + s, mask=s_mask, other=float("-inf")
+    )
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # only a zero-length sequence has no split
+    w = tl.exp(lse - top)
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0.0, total, 1.0)
+    parts = tl.load(
+        part_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 caches need IEEE dots; bf16/fp16 values are exact in tf32, so tensor cores serve."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough programs to fill the GPU twice over, but at least 256 tokens per split."""
+    if num_sms <= 0:
+        return 1
+    by_length = triton.cdiv(max_seq_len, 256)
+    by_occupancy = triton.cdiv(2 * num_sms, batch * num_kv_heads)
+    return max(1, min(by_length, by_occupancy, 64))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [N, bs, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, each >= 1
+    scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q·Kᵀ·scale)·V over each sequence's first seq_len cached tokens; returns [B, H, D].
+
+    Reads only; the caller has written the new token's K/V into the cache already.
+    `num_splits` > 1 splits each context into that many parts (flash-decoding).
+    """
+    b, h, d = q.shape
+    _, block_size, kvh, _ = k_cache.shape
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert h % kvh == 0, f"{h} query heads do not group over {kvh} KV heads"
+    if out is None:
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    group = h // kvh
+    block_d = triton.next_power_of_2(d)
+    block_g = max(16, triton.next_power_of_2(group))
+    # Interpreted programs cost per op, not per lane: wider tiles finish sooner there.
+    block_n = 16 if interpreted() else (64 if block_d <= 128 else 32)
+    common = dict(
+        GROUP=group,
+        BLOCK_G=block_g,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
+    )
+    kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+    if num_splits == 1:
+        _decode_split[(b, kvh, 1)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, scale,
+            q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
+            out.stride(0), out.stride(1), 0, **common,
+        )  # fmt: skip
+        return out
+    parts = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split[(b, kvh, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, parts, lse, scale,
+        q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2), **common,
+    )  # fmt: skip
+    _combine[(b, h)](
+        parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2),
+        out.stride(0), out.stride(1),
+        NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+    return out

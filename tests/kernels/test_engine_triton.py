@@ -1,0 +1,132 @@
+"""The engine with the Triton backend, through the engine's own call sites.
+
+On a CPU the kernels run in the Triton interpreter: this is the CUDA path of the
+engine (Triton attention, norms, rotary; KV writes through cache_ops) exercised in
+CI. The reference is the same engine with the torch backend, and transformers.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from compute_plane.attention import AttentionMetadata, TorchPagedAttention
+from compute_plane.config import ComputeConfig
+from compute_plane.engine import Engine
+from compute_plane.loader import load_model
+from tests.compute.step_driver import StepDriver
+from tests.conftest import make_tiny_model
+from tests.kernels.reference import DEVICE, PagedCache
+
+pytest.importorskip("triton")
+
+from compute_plane.attention_triton import TritonPagedAttention
+
+BLOCK = 8
+
+
+def test_backend_matches_torch_backend_on_a_mixed_step() -> None:
+    """Decodes and prefill chunks in one step; the caches end up equal too."""
+    h, kvh, d = 8, 2, 80
+    seq_lens, query_lens = [9, 1, 16, 21, 5], [1, 1, 1, 13, 5]
+    caches = [PagedCache(20, BLOCK, kvh, d, torch.float32, seed=5) for _ in range(2)]
+    tables = caches[0].tables(seq_lens)
+    slots = []
+    for i, (n, q) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        slots += [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for p in range(n - q, n)]
+    t = len(slots)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, x, d, generator=g).to(DEVICE) for x in (h, kvh, kvh))
+    outs = []
+    for backend, cache in zip(
+        (TorchPagedAttention(d**-0.5), TritonPagedAttention(d**-0.5, kvh, num_sms=0)),
+        caches,
+        strict=True,
+    ):
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=DEVICE),
+            block_tables=tables,
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            num_decodes=3,
+            block_size=BLOCK,
+        )
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, cache.k, cache.v, meta))
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+    err = (outs[0] - outs[1]).abs().max().item()
+    assert err <= 1e-4, f"max abs difference {err:.2e}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A Qwen3-shaped model (q/k norm, GQA 2:1, head dim 80), and transformers' copy of it."""
+    out = tmp_path_factory.mktemp("qwen3")
+    ref = make_tiny_model("qwen3", out, head_dim=80, num_hidden_layers=2)
+    return out, ref
+
+
+def _engine(path: Path, backend: str) -> Engine:
+    cfg = ComputeConfig(
+        model=str(path),
+        device=DEVICE.type,
+        dtype="float32",
+        attention_backend=backend,
+        block_size=BLOCK,
+        kv_cache_bytes=4 << 20,
+        gpu_memory_utilization=0.05,  # on a GPU: a small pool, as on the CPU
+        cuda_graphs=False,
+    )
+    engine = Engine(cfg, load_model(path, progress=False))
+    engine.capture_logits = True
+    return engine
+
+
+def _drive(engine: Engine) -> dict[str, list[int]]:
+    """Chunked prefill, a mixed step, batched decodes, a prefix hit; returns the tokens."""
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    a = [rng.randrange(3, vocab) for _ in range(19)]
+    b = [rng.randrange(3, vocab) for _ in range(5)]
+    drv = StepDriver(engine.num_blocks, BLOCK, seed=1)
+    steps = [
+        drv.step(new=[drv.new("a", a, 11)]),  # first chunk
+        drv.step(cont=[drv.cont("a", 8)]),  # second chunk over a cached prefix of 11
+        drv.step(new=[drv.new("b", b, 5)], cont=[drv.cont("a", 1)]),  # decode + prefill
+        drv.step(cont=[drv.cont("a", 1), drv.cont("b", 1)]),
+        drv.step(cont=[drv.cont("a", 1), drv.cont("b", 1)]),
+    ]
+    for s in steps:
+        res = engine.step(s)
+        assert not res.HasField("error"), res.error.message
+    # "c" shares a's first two full blocks (16 tokens) and computes only its own tail.
+    c = a[:16] + [rng.randrange(3, vocab) for _ in range(4)]
+    shared = drv.tables["a"][:2]
+    new = drv.new("c", c, 4, num_computed=16, shared_blocks=shared)
+    res = engine.step(drv.step(new=[new], cont=[drv.cont("a", 1), drv.cont("b", 1)]))
+    assert not res.HasField("error"), res.error.message
+    return {rid: list(st.token_ids) for rid, st in engine.requests.items()}
+
+
+def test_engine_logits_equal_the_torch_backend(tiny) -> None:  # type: ignore[no-untyped-def]
+    path, ref = tiny
+    triton_engine, torch_engine = _engine(path, "triton"), _engine(path, "torch")
+    assert triton_engine.describe().attention_backend == "triton"
+    assert torch_engine.describe().attention_backend == "torch"
+    tokens = _drive(triton_engine)
+    assert tokens == _drive(torch_engine)
+    for rid in ("a", "b", "c"):
+        ours = torch.cat(triton_engine.captured_logits[rid])
+        theirs = torch.cat(torch_engine.captured_logits[rid])
+        err = (ours - theirs).abs().max().item()
+        assert err <= 1e-4, f"{rid}: max abs logit difference {err:.2e}"
+        # And against transformers over the whole sequence ("c" computed only its tail).
+        computed = triton_engine.requests[rid].num_computed_tokens
+        start = computed - len(ours)
+        with torch.no_grad():
+            expected = ref(torch.tensor([tokens[rid][:computed]])).logits[0, start:]
+        err = (ours.cpu() - expected).abs().max().item()
+        assert err <= 1e-3, f"{rid}: max abs logit difference to transformers {err:.2e}"
