@@ -29,7 +29,8 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto = float32 on the CPU; bfloat16 on CUDA (float16 where the GPU lacks bf16)."""
     if name != "auto":
-        return getattr(torch, name)  # type: ignore[no-any-return]
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
     if device.type != "cuda":
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
