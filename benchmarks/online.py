@@ -384,6 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return r
 
     def session(url: str, control: str | None, tag: dict[str, Any]) -> None:
+        # Unrecorded warm-up: the first steps of a fresh process pay for allocator
+        # growth and first-touch page faults, which would land on the first run only.
+        asyncio.run(run(url, work[:4], "burst", 0.0, None, None, args.seed, False))
         for rate in [float(x) for x in args.rates.split(",") if x]:
             report["runs"].append(
                 {"sweep": "rate", **tag, **go(url, control, "poisson", rate, None)}

@@ -34,12 +34,17 @@ class BlockManager:
         return 1.0 - self.pool.num_free / self.pool.num_usable
 
     def slot_usage(self, requests: Iterable[Request]) -> tuple[int, int]:
-        """(slots holding a computed token, slots of the blocks they hold); shared blocks once."""
+        """(slots holding a token, slots of the blocks they hold); shared blocks once.
+
+        A slot holds a token when that token is known (prompt or sampled), whether its
+        K/V are already computed or being written by the step in flight; the rest of
+        an allocated block (the unfilled tail of each last block) is the waste.
+        """
         bs = self.block_size
         filled: dict[int, int] = {}
         for req in requests:
             for i, block in enumerate(self.tables.get(req.request_id, ())):
-                n = min(bs, max(0, req.num_computed_tokens - i * bs))
+                n = min(bs, max(0, req.num_tokens - i * bs))
                 filled[block.block_id] = max(n, filled.get(block.block_id, 0))
         return sum(filled.values()), len(filled) * bs
 

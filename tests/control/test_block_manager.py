@@ -47,13 +47,15 @@ def test_slot_usage_counts_shared_blocks_once() -> None:
     bm = BlockManager(num_blocks=8, block_size=BS)
     a = _req("a", list(range(9)))  # blocks 1, 2 full; block 3 holds 1 of 4
     _admit(bm, a)
-    assert bm.slot_usage([a]) == (0, 12)  # allocated, nothing computed yet
+    assert bm.slot_usage([a]) == (9, 12)  # slots of known tokens count before they are computed
     _compute_all(bm, a)
     assert bm.slot_usage([a]) == (9, 12)
+    a.token_ids.append(7)  # the 10th token's slot is in block 3 already
+    assert bm.slot_usage([a]) == (10, 12)
     b = _req("b", [*range(8), 99, 98])  # shares blocks 1, 2; block 4 holds 2
     _admit(bm, b)
     b.num_computed_tokens = b.num_tokens
-    assert bm.slot_usage([a, b]) == (9 + 2, 16)
+    assert bm.slot_usage([a, b]) == (10 + 2, 16)
 
 
 def test_prefix_hit_shares_blocks_and_is_capped() -> None:
