@@ -357,11 +357,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "runs": [],
     }
 
+    runs_started = [0]
+
     def go(
         url: str, control: str | None, arrival: str, rate: float, cap: int | None
     ) -> dict[str, Any]:
+        # Each run of a sweep draws fresh prompts (same lengths distribution): a prompt
+        # repeated from an earlier run would hit the prefix cache and flatter TTFT.
+        seed = args.seed + 1000 * runs_started[0]
+        runs_started[0] += 1
+        work = build_workload(args.workload, args.num_requests, args.preset, seed)
         samples, duration, waste = asyncio.run(
-            run(url, work, arrival, rate, cap, control, args.seed, not args.no_progress)
+            run(url, work, arrival, rate, cap, control, seed, not args.no_progress)
         )
         r = {"arrival": arrival, "rate": rate, "max_concurrency": cap}
         r |= summarize(samples, work, duration, waste, slo)
@@ -386,7 +393,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def session(url: str, control: str | None, tag: dict[str, Any]) -> None:
         # Unrecorded warm-up: the first steps of a fresh process pay for allocator
         # growth and first-touch page faults, which would land on the first run only.
-        asyncio.run(run(url, work[:4], "burst", 0.0, None, None, args.seed, False))
+        warm = build_workload(args.workload, 4, args.preset, args.seed + 999_999)
+        asyncio.run(run(url, warm, "burst", 0.0, None, None, args.seed, False))
+        runs_started[0] = 0  # the same prompts in each session (prefix caching on / off)
         for rate in [float(x) for x in args.rates.split(",") if x]:
             report["runs"].append(
                 {"sweep": "rate", **tag, **go(url, control, "poisson", rate, None)}

@@ -33,21 +33,27 @@ from hetero_proto import control_pb2_grpc as pb_grpc
 async def _drive(control: str, num_seqs: int, steps: int, seed: int) -> None:
     """num_seqs streams decoding together; returns after about `steps` decode steps."""
     rng = random.Random(seed)
-    async with grpc.aio.insecure_channel(control) as ch:
-        stub = pb_grpc.ControlPlaneStub(ch)
+    # One channel per 64 streams: an HTTP/2 connection carries at most 100 streams at
+    # once by default, and the rest would queue client-side, never all running.
+    channels = [grpc.aio.insecure_channel(control) for _ in range(-(-num_seqs // 64))]
+    try:
+        stubs = [pb_grpc.ControlPlaneStub(ch) for ch in channels]
         counts = [0] * num_seqs
 
         async def one(i: int) -> None:
             params = pb.GenerationParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
             prompt = [rng.randint(100, 20000) for _ in range(16)]
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params)
-            async for resp in stub.Generate(req):
+            async for resp in stubs[i % len(stubs)].Generate(req):
                 for c in resp.choices:
                     counts[i] += len(c.token_ids)
                 if counts[i] >= steps:
                     return
 
         await asyncio.gather(*(one(i) for i in range(num_seqs)))
+    finally:
+        for ch in channels:
+            await ch.close()
 
 
 def measure(num_seqs: int, steps: int, seed: int = 0) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offline, online, overhead
+from benchmarks import decode_step, offline, online, overhead
 from benchmarks.workload import PRESETS
 
 pytestmark = pytest.mark.slow
@@ -62,3 +62,11 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
     (r,) = report["results"]
     assert r["running_sequences"] == 2 and r["steps_measured"] >= 10
     assert 0 < r["ms_per_step_p50"] <= r["ms_per_step_p99"]
+
+
+def test_decode_step_profile_tiny(tmp_path: Path) -> None:
+    report = decode_step.main(["--shapes", "2x20", "--out", str(tmp_path / "d.json")])
+    (row,) = report["steps"]
+    assert row["batch"] == 2 and row["now_ms"] > 0
+    assert abs(sum(row["profile_now"].values()) - 1) < 0.01
+    assert row["profile_now"]["matmul"] > 0

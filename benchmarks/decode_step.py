@@ -1,0 +1,129 @@
+"""One decode step of the bundled model on the CPU: its time and where it goes.
+
+    python -m benchmarks.decode_step                          # now, with a profile
+    python -m benchmarks.decode_step --compare-ref 736fb2c~1  # and the torch attention of a commit
+
+Runs the model's forward (torch backend) for B decodes at context C over a KV cache
+whose blocks are scattered, as in a long-running server. `--compare-ref` loads
+`compute_plane/attention.py` as it was at a git revision (through `git show`) and
+times the same step with it: the before/after of an attention change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute_plane.attention import AttentionMetadata, TorchPagedAttention
+from compute_plane.kv_cache import KVCache
+from compute_plane.loader import load_model
+from compute_plane.model import Model
+from hetero_infer.model_path import resolve_model_path
+
+CATEGORIES = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"),
+    "kv gather": ("aten::index_select", "aten::index", "aten::take"),
+    "attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
+    "kv write": ("aten::index_copy", "aten::index_put"),
+}
+
+
+def _old_attention(ref: str) -> Any:
+    src = subprocess.run(
+        ["git", "show", f"{ref}:compute_plane/attention.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    path = Path(tempfile.mkdtemp()) / "attention_at_ref.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("attention_at_ref", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while decorating
+    spec.loader.exec_module(module)
+    return module.TorchPagedAttention
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--shapes", default="16x300,48x300,48x600", help="BxC,...")
+    ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' attention")
+    ap.add_argument("--out", type=Path, default=Path("docs/perf/decode_step.json"))
+    args = ap.parse_args(argv)
+    loaded = load_model(resolve_model_path(args.model), progress=False)
+    cfg = loaded.config
+    cpu = torch.device("cpu")
+    model = Model(cfg, loaded.weights, cpu, torch.float32, 4096)
+    scale = cfg.head_dim**-0.5
+    backends = {"now": TorchPagedAttention(scale)}
+    if args.compare_ref:
+        backends = {f"at {args.compare_ref}": _old_attention(args.compare_ref)(scale), **backends}
+    bs = 16
+    report: dict[str, Any] = {"benchmark": "decode_step", "threads": torch.get_num_threads()}
+    rows = []
+    for shape in args.shapes.split(","):
+        b, c = (int(x) for x in shape.split("x"))
+        nb = -(-c // bs)
+        cache = KVCache(cfg, b * nb + 1, bs, torch.float32, cpu)
+        ids = list(range(1, b * nb + 1))
+        random.Random(0).shuffle(ids)
+        tables = torch.tensor(ids, dtype=torch.int32).view(b, nb)
+        slots = tables[:, (c - 1) // bs].long() * bs + (c - 1) % bs
+        tokens = torch.randint(100, 1000, (b,))
+        pos = torch.full((b,), c - 1)
+
+        def step() -> None:
+            meta = AttentionMetadata(
+                slot_mapping=slots,  # noqa: B023
+                block_tables=tables,  # noqa: B023
+                seq_lens=[c] * b,  # noqa: B023
+                query_lens=[1] * b,  # noqa: B023
+                num_decodes=b,  # noqa: B023
+                block_size=bs,
+            )
+            model.forward(tokens, pos, meta, cache.layers)  # noqa: B023
+
+        row: dict[str, Any] = {"batch": b, "context": c}
+        for name, backend in backends.items():
+            model.attention = backend
+            times = []
+            for _ in range(6):
+                t = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t)
+            row[f"{name}_ms"] = round(statistics.median(times[1:]) * 1e3, 1)
+        model.attention = backends["now"]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+        share: dict[str, float] = defaultdict(float)
+        total = 0.0
+        for ev in prof.key_averages():
+            total += ev.self_cpu_time_total
+            cat = next((k for k, names in CATEGORIES.items() if ev.key.startswith(names)), "other")
+            share[cat] += ev.self_cpu_time_total
+        row["profile_now"] = {k: round(v / total, 3) for k, v in sorted(share.items())}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report["steps"] = rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"report: {args.out}", file=sys.stderr)
+    return report
+
+
+if __name__ == "__main__":
+    main()
