@@ -27,6 +27,14 @@ from compute_plane.kernels import interpreted
 
 
 @triton.jit
+def load_paged_rows(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask):
+    """One KV head's rows [len(block), len(d)] of a paged cache, row i at slot tok[i] of
+    block[i], as fp32 (the interpreter computes bf16 wrongly; the GPU keeps the same numerics)."""
+    ptrs = cache + block[:, None] * stride_n + tok[:, None] * stride_t + kvh * stride_h + d[None, :]
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _decode_split(
     q_ptr,  # [B, H, D]
     k_cache,  # [N, bs, KVH, D]
@@ -87,30 +95,14 @@ def _decode_split(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache
-            + block[:, None] * stride_kn
-            + tok[:, None] * stride_kt
-            + kvh * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        k = load_paged_rows(k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache
-            + block[:, None] * stride_vn
-            + tok[:, None] * stride_vt
-            + kvh * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        v = load_paged_rows(v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from compute_plane.kernels import interpreted
-from compute_plane.kernels.decode_attention import dot_precision
+from compute_plane.kernels.decode_attention import dot_precision, load_paged_rows
 
 
 @triton.jit
@@ -88,15 +88,7 @@ def _prefill(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache
-            + block[:, None] * stride_kn
-            + tok[:, None] * stride_kt
-            + kvh * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        k = load_paged_rows(k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         # Key 0 is visible to every row, so no row is all -inf after the first tile.
         s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -104,15 +96,7 @@ def _prefill(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache
-            + block[:, None] * stride_vn
-            + tok[:, None] * stride_vt
-            + kvh * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(tl.float32)
+        v = load_paged_rows(v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
