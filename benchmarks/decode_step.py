@@ -1,10 +1,11 @@
 """One decode step of the bundled model on the CPU: its time and where it goes.
 
-    python -m benchmarks.decode_step                          # now, with a profile
+    python -m benchmarks.decode_step                          # torch vs cpu backend, profiles
     python -m benchmarks.decode_step --compare-ref 736fb2c~1  # and the torch attention of a commit
 
-Runs the model's forward (torch backend) for B decodes at context C over a KV cache
-whose blocks are scattered, as in a long-running server. `--compare-ref` loads
+Runs the model's forward for B decodes at context C over a KV cache whose blocks are
+scattered, as in a long-running server, with the torch backend (gather + SDPA) and
+the cpu backend (C kernel reading blocks in place), and profiles each. `--compare-ref` loads
 `compute_plane/attention.py` as it was at a git revision (through `git show`) and
 times the same step with it: the before/after of an attention change.
 """
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
+from compute_plane.attention_cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
 from compute_plane.loader import load_model
 from compute_plane.model import Model
@@ -37,6 +39,7 @@ CATEGORIES = {
     "kv gather": ("aten::index_select", "aten::index", "aten::take"),
     "attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
     "kv write": ("aten::index_copy", "aten::index_put"),
+    "attention (C kernel)": ("cpu_decode_attention",),
 }
 
 
@@ -69,7 +72,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cpu = torch.device("cpu")
     model = Model(cfg, loaded.weights, cpu, torch.float32, 4096)
     scale = cfg.head_dim**-0.5
-    backends = {"now": TorchPagedAttention(scale)}
+    backends: dict[str, Any] = {
+        "torch": TorchPagedAttention(scale),
+        "cpu": CPUPagedAttention(scale),
+    }
     if args.compare_ref:
         backends = {f"at {args.compare_ref}": _old_attention(args.compare_ref)(scale), **backends}
     bs = 16
@@ -106,16 +112,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 step()
                 times.append(time.perf_counter() - t)
             row[f"{name}_ms"] = round(statistics.median(times[1:]) * 1e3, 1)
-        model.attention = backends["now"]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            step()
-        share: dict[str, float] = defaultdict(float)
-        total = 0.0
-        for ev in prof.key_averages():
-            total += ev.self_cpu_time_total
-            cat = next((k for k, names in CATEGORIES.items() if ev.key.startswith(names)), "other")
-            share[cat] += ev.self_cpu_time_total
-        row["profile_now"] = {k: round(v / total, 3) for k, v in sorted(share.items())}
+        for name in ("torch", "cpu"):
+            model.attention = backends[name]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step()
+            share: dict[str, float] = defaultdict(float)
+            total = 0.0
+            for ev in prof.key_averages():
+                total += ev.self_cpu_time_total
+                cat = next(
+                    (k for k, names in CATEGORIES.items() if ev.key.startswith(names)), "other"
+                )
+                share[cat] += ev.self_cpu_time_total
+            row[f"profile_{name}"] = {k: round(v / total, 3) for k, v in sorted(share.items())}
         rows.append(row)
         print(json.dumps(row), flush=True)
     report["steps"] = rows

@@ -38,6 +38,8 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor | None = None  # [B] int32, on the device
     query_start_loc: torch.Tensor | None = None  # [P + 1] int32: prefill chunks' query rows
     num_splits: int = 1  # split-K parts of each decode's context
+    # Derived by the CPU backend's prepare() (attention_cpu.py): decodes per thread.
+    decode_parts: list[tuple[int, int]] = field(default_factory=list)
 
 
 class AttentionBackend(Protocol):
@@ -76,17 +78,25 @@ class TorchPagedAttention:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step gather indices and masks, shared by all layers."""
+        if meta.num_decodes:
+            self.prepare_decodes(meta)
+        self.prepare_prefills(meta)
+
+    def prepare_decodes(self, meta: AttentionMetadata) -> None:
         dev = meta.slot_mapping.device
         bs = meta.block_size
         d = meta.num_decodes
-        if d:
-            nb = (max(meta.seq_lens[:d]) + bs - 1) // bs
-            meta.decode_blocks = meta.block_tables[:d, :nb].long().reshape(-1)
-            pos = torch.arange(nb * bs, device=dev)
-            lens = torch.tensor(meta.seq_lens[:d], device=dev)
-            meta.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        nb = (max(meta.seq_lens[:d]) + bs - 1) // bs
+        meta.decode_blocks = meta.block_tables[:d, :nb].long().reshape(-1)
+        pos = torch.arange(nb * bs, device=dev)
+        lens = torch.tensor(meta.seq_lens[:d], device=dev)
+        meta.decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+
+    def prepare_prefills(self, meta: AttentionMetadata) -> None:
+        dev = meta.slot_mapping.device
+        bs = meta.block_size
         spans: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        start = d
+        start = d = meta.num_decodes
         for i in range(d, len(meta.seq_lens)):
             ctx, q = meta.seq_lens[i], meta.query_lens[i]
             nb = (ctx + bs - 1) // bs
@@ -113,23 +123,10 @@ class TorchPagedAttention:
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         if d:
-            blocks = meta.decode_blocks
-            assert blocks is not None, "prepare() first"
-            keys = k_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
-            vals = v_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
-            qd = q[:d].unsqueeze(2)  # [D, H, 1, hd]
-            o = F.scaled_dot_product_attention(
-                qd,
-                keys,
-                vals,
-                attn_mask=meta.decode_mask,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[:d] = o.squeeze(2)
+            out[:d] = self.decode(q[:d], k_cache, v_cache, meta)
         for start, end, blocks, mask in meta.prefill_spans:
             keys = k_cache.index_select(0, blocks).view(-1, kvh, hd).transpose(0, 1).unsqueeze(0)
             vals = v_cache.index_select(0, blocks).view(-1, kvh, hd).transpose(0, 1).unsqueeze(0)
@@ -139,3 +136,22 @@ class TorchPagedAttention:
             )
             out[start:end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The decodes' attention, q [D, H, hd] -> [D, H, hd]: one padded, masked SDPA."""
+        d, kvh, hd = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+        blocks = meta.decode_blocks
+        assert blocks is not None, "prepare() first"
+        keys = k_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
+        vals = v_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [D, H, 1, hd]
+            keys,
+            vals,
+            attn_mask=meta.decode_mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)

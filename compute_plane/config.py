@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from hetero_infer.tls import ServerTLS
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass
@@ -33,7 +33,8 @@ class ComputeConfig:
     attention_backend: str = field(
         default="auto",
         metadata={
-            "help": "auto (triton on CUDA, torch on CPU), torch, triton "
+            "help": "auto (triton on CUDA; on CPU the C kernel for float32, else torch), "
+            "cpu (C decode kernel, float32), torch, triton "
             "(on CPU only under TRITON_INTERPRET=1, for tests)"
         },
     )

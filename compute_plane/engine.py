@@ -75,7 +75,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         cfg = loaded.config
         self.block_size = config.block_size
-        backend = resolve_attention_backend(config.attention_backend, self.device)
+        backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         kernels = model_kernels(backend, cfg, self.device)
         max_len = min(
             cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings

@@ -67,6 +67,9 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
     report = decode_step.main(["--shapes", "2x20", "--out", str(tmp_path / "d.json")])
     (row,) = report["steps"]
-    assert row["batch"] == 2 and row["now_ms"] > 0
-    assert abs(sum(row["profile_now"].values()) - 1) < 0.01
-    assert row["profile_now"]["matmul"] > 0
+    assert row["batch"] == 2 and row["torch_ms"] > 0 and row["cpu_ms"] > 0
+    for backend in ("torch", "cpu"):
+        assert abs(sum(row[f"profile_{backend}"].values()) - 1) < 0.01
+        assert row[f"profile_{backend}"]["matmul"] > 0
+    assert row["profile_cpu"]["attention (C kernel)"] > 0  # the kernel's time is attributed
+    assert "attention (C kernel)" not in row["profile_torch"]

@@ -25,6 +25,8 @@ BLOCK = 4
 def _engine(path: Path, block_size: int = BLOCK) -> Engine:
     cfg = ComputeConfig(model=str(path), block_size=block_size, kv_cache_bytes=64 << 20)
     engine = Engine(cfg, load_model(path, progress=False))
+    # The default CPU backend: decodes by the C kernel, prefill chunks by SDPA.
+    assert engine.describe().attention_backend == "cpu"
     engine.capture_logits = True
     return engine
 
