@@ -31,24 +31,46 @@ from hetero_proto import control_pb2_grpc as pb_grpc
 
 
 async def _drive(control: str, num_seqs: int, steps: int, seed: int) -> None:
-    """num_seqs streams decoding together; returns after about `steps` decode steps."""
+    """num_seqs streams decoding together for about `steps` decode steps.
+
+    Streams open one after another (each is a Generate call the control plane admits
+    as it arrives), so the measured stretch starts only once every stream has had its
+    first token: from then on all `num_seqs` are running, and each stream reads
+    `steps` more tokens before it hangs up.
+    """
     rng = random.Random(seed)
-    # One channel per 64 streams: an HTTP/2 connection carries at most 100 streams at
-    # once by default, and the rest would queue client-side, never all running.
-    channels = [grpc.aio.insecure_channel(control) for _ in range(-(-num_seqs // 64))]
+    # One connection per 64 streams: an HTTP/2 connection carries at most 100 streams
+    # at once by default, and the rest would queue client-side, never all running.
+    # Channels to one target share a connection through gRPC's global subchannel pool
+    # unless each has a pool of its own.
+    channels = [
+        grpc.aio.insecure_channel(control, options=[("grpc.use_local_subchannel_pool", 1)])
+        for _ in range(-(-num_seqs // 64))
+    ]
+    all_running = asyncio.Event()
+    have_first = 0
     try:
         stubs = [pb_grpc.ControlPlaneStub(ch) for ch in channels]
-        counts = [0] * num_seqs
 
         async def one(i: int) -> None:
-            params = pb.GenerationParams(max_tokens=steps + 50, temperature=0, ignore_eos=True)
+            nonlocal have_first
+            params = pb.GenerationParams(
+                max_tokens=4 * steps + 4096, temperature=0, ignore_eos=True
+            )
             prompt = [rng.randint(100, 20000) for _ in range(16)]
             req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params)
+            seen = after = 0
             async for resp in stubs[i % len(stubs)].Generate(req):
-                for c in resp.choices:
-                    counts[i] += len(c.token_ids)
-                if counts[i] >= steps:
-                    return
+                got = sum(len(c.token_ids) for c in resp.choices)
+                if seen == 0 and got:
+                    have_first += 1
+                    if have_first == num_seqs:
+                        all_running.set()
+                seen += got
+                if all_running.is_set():
+                    after += got
+                    if after >= steps:
+                        return
 
         await asyncio.gather(*(one(i) for i in range(num_seqs)))
     finally:
