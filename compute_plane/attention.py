@@ -38,8 +38,6 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor | None = None  # [B] int32, on the device
     query_start_loc: torch.Tensor | None = None  # [P + 1] int32: prefill chunks' query rows
     num_splits: int = 1  # split-K parts of each decode's context
-    # Derived by the CPU backend's prepare() (attention_cpu.py): decodes per thread.
-    decode_parts: list[tuple[int, int]] = field(default_factory=list)
 
 
 class AttentionBackend(Protocol):
