@@ -3,9 +3,10 @@
     python -m benchmarks.decode_step                          # torch vs cpu backend, profiles
     python -m benchmarks.decode_step --compare-ref 736fb2c~1  # and the torch attention of a commit
 
-Runs the model's forward for B decodes at context C over a KV cache whose blocks are
-scattered, as in a long-running server, with the torch backend (gather + SDPA) and
-the cpu backend (C kernel reading blocks in place), and profiles each. `--compare-ref` loads
+Runs the model's forward and lm_head for B decodes at context C over a KV cache whose
+blocks are scattered, as in a long-running server, with the torch backend (gather +
+SDPA) and the cpu backend (C kernel reading blocks in place), and profiles each; then
+the cpu backend's step with the projections by MKL (F.linear) and by oneDNN. `--compare-ref` loads
 `compute_plane/attention.py` as it was at a git revision (through `git show`) and
 times the same step with it: the before/after of an attention change.
 """
@@ -26,16 +27,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
 from compute_plane.attention_cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
 from compute_plane.loader import load_model
-from compute_plane.model import Model
+from compute_plane.model import Model, onednn_linear
 from hetero_infer.model_path import resolve_model_path
 
+LINEARS = {"mkl": F.linear, "onednn": onednn_linear}
 CATEGORIES = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm"),
+    "matmul": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::linear",
+        "aten::matmul",
+        "aten::bmm",
+        "mkldnn::_linear_pointwise",
+    ),
     "kv gather": ("aten::index_select", "aten::index", "aten::take"),
     "attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
     "kv write": ("aten::index_copy", "aten::index_put"),
@@ -63,7 +73,7 @@ def _old_attention(ref: str) -> Any:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--shapes", default="16x300,48x300,48x600", help="BxC,...")
+    ap.add_argument("--shapes", default="1x300,4x300,16x300,48x300,48x600", help="BxC,...")
     ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' attention")
     ap.add_argument("--out", type=Path, default=Path("docs/perf/decode_step.json"))
     args = ap.parse_args(argv)
@@ -101,17 +111,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 num_decodes=b,  # noqa: B023
                 block_size=bs,
             )
-            model.forward(tokens, pos, meta, cache.layers)  # noqa: B023
+            model.logits(model.forward(tokens, pos, meta, cache.layers))  # noqa: B023
 
-        row: dict[str, Any] = {"batch": b, "context": c}
-        for name, backend in backends.items():
-            model.attention = backend
+        def timed() -> float:
             times = []
             for _ in range(6):
                 t = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - t)
-            row[f"{name}_ms"] = round(statistics.median(times[1:]) * 1e3, 1)
+            return round(statistics.median(times[1:]) * 1e3, 1)
+
+        row: dict[str, Any] = {"batch": b, "context": c}
+        for name, backend in backends.items():
+            model.attention = backend
+            row[f"{name}_ms"] = timed()
+        model.attention = backends["cpu"]
+        chosen = model.linear
+        # Alternated, twice each: this machine's speed drifts within a run.
+        for lname, lin in [*LINEARS.items()] * 2:
+            model.linear = lin
+            key = f"cpu_{lname}_ms"
+            row[key] = min(timed(), row.get(key, float("inf")))
+        model.linear = chosen
         for name in ("torch", "cpu"):
             model.attention = backends[name]
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -15,6 +15,7 @@ import torch
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine
 from compute_plane.loader import load_model
+from compute_plane.model import onednn_linear
 from tests.compute.step_driver import StepDriver
 from tests.conftest import make_tiny_model
 
@@ -27,6 +28,9 @@ def _engine(path: Path, block_size: int = BLOCK) -> Engine:
     engine = Engine(cfg, load_model(path, progress=False))
     # The default CPU backend: decodes by the C kernel, prefill chunks by SDPA.
     assert engine.describe().attention_backend == "cpu"
+    # ... and the linear layers by oneDNN where this torch has it (so parity covers it).
+    if torch.backends.mkldnn.is_available():
+        assert engine.model.linear is onednn_linear
     engine.capture_logits = True
     return engine
 
