@@ -48,12 +48,15 @@ class GenerateStream:
         return all(c.finished for c in self.choices)
 
     def token_delta(
-        self, choice: Choice, result: cpb.TokenResult
+        self, choice: Choice, result: cpb.TokenResult, resp: pb.GenerateResponse
     ) -> tuple[pb.ChoiceDelta, str | None]:
-        """The delta for one sampled token; returns the stop string it completed, if any."""
+        """Add the delta of one sampled token to `resp`; also the stop string it completed.
+
+        The delta is built in place (a protobuf append would copy it).
+        """
         req = choice.request
         tok = result.token_id
-        delta = pb.ChoiceDelta(index=choice.index, token_ids=[tok], stop_token_id=-1)
+        delta = resp.choices.add(index=choice.index, token_ids=[tok], stop_token_id=-1)
         ended_by_token = req.status == Status.FINISHED_STOPPED and req.stop_reason == tok
         text = "" if ended_by_token else choice.detok.push(tok)
         emit, matched = choice.stop.feed(text)
