@@ -76,8 +76,12 @@ class BlockManager:
         num_computed_tokens must already count them. None when the pool is short:
         then nothing changed.
         """
-        prefix = prefix or []
         table = self.tables.get(req.request_id)
+        if table is not None and req.num_computed_tokens + num_new_tokens <= len(table) * (
+            self.block_size
+        ):
+            return []  # fits in the blocks it holds (most decode steps)
+        prefix = prefix or []
         held = len(table) if table is not None else len(prefix)
         need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - held
         # Shared prefix blocks sitting in the free queue stop being free once taken.
@@ -98,12 +102,14 @@ class BlockManager:
         table = self.tables[rid]
         bs = self.block_size
         done = self._num_hashed[rid]
-        parent = self._last_hash[rid]
         full = min(req.num_computed_tokens // bs, len(table))
+        if full <= done:
+            return  # no block became full since the last call
+        parent = self._last_hash[rid]
         for i in range(done, full):
             parent, key = chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))
             self.pool.cache(table[i], key, parent)
-        self._num_hashed[rid] = max(done, full)
+        self._num_hashed[rid] = full
         self._last_hash[rid] = parent
 
     def fork(self, parent: Request, child: Request) -> int:

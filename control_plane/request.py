@@ -67,13 +67,13 @@ class Request:
     def stop_check(self, token: int, max_model_len: int) -> Status | None:
         """The finished status that appending `token` causes, if any."""
         # The first min_tokens tokens may not end the request (vLLM's min_tokens).
-        enough = self.num_output_tokens > self.min_tokens
-        if enough and token in self.stop_token_ids:
+        num_tokens = len(self.token_ids)
+        num_output = num_tokens - self.num_prompt_tokens
+        if num_output > self.min_tokens and (
+            token in self.stop_token_ids or (not self.ignore_eos and token in self.eos_token_ids)
+        ):
             self.stop_reason = token
             return Status.FINISHED_STOPPED
-        if enough and not self.ignore_eos and token in self.eos_token_ids:
-            self.stop_reason = token
-            return Status.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_output >= self.max_tokens or num_tokens >= max_model_len:
             return Status.FINISHED_LENGTH
         return None

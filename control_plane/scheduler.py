@@ -142,15 +142,18 @@ class Scheduler:
         planned: dict[Request, tuple[list[int], int]] = {}
         preempted = False
 
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+        allocate = self.block_manager.allocate
         for req in decodes + prefills:
             if budget == 0:
                 break
-            if req.status != Status.RUNNING:
+            if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (new_ids := self.block_manager.allocate(req, n)) is None:
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            while (new_ids := allocate(req, n)) is None:
                 victim = self.running[-1]
                 budget += planned.pop(victim, ([], 0))[1]
                 self._preempt(victim)
@@ -206,13 +209,16 @@ class Scheduler:
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's result: advance progress, append sampled tokens, finish requests."""
         finished = []
+        cache_computed = self.block_manager.cache_computed
+        forks = self.pending_forks
         for req, n in out.scheduled():
-            if req.status != Status.RUNNING:
+            if req.status is not Status.RUNNING:
                 continue  # aborted while the step was in flight
             req.num_computed_tokens += n
-            self.block_manager.cache_computed(req)
+            cache_computed(req)
             if (
-                req.request_id in self.pending_forks
+                forks
+                and req.request_id in forks
                 and req.num_computed_tokens >= req.num_prompt_tokens
             ):
                 self._fork_siblings(req)
