@@ -41,6 +41,13 @@ class ControlConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse KV blocks of identical prompt prefixes"}
     )
+    stream_interval: int = field(
+        default=1,
+        metadata={
+            "help": "send each stream its tokens every N tokens (the first and last at once); "
+            "N > 1 cuts the per-token cost of streaming at high concurrency"
+        },
+    )
     drain_timeout: float = field(
         default=30.0,
         metadata={"help": "on SIGTERM: seconds to finish in-flight requests before exiting"},
@@ -78,7 +85,7 @@ class ControlConfig:
         self.tls, self.compute_tls  # noqa: B018 -- validates the TLS flags
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 1:

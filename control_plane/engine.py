@@ -290,8 +290,8 @@ class ControlEngine:
                 log.info("the compute plane is draining: new requests wait for the next one")
                 self._compute_draining = True
             sampled = {r.request_id: r.token_id for r in result.results}
-            finished = {r.request_id for r in sched.update(out, sampled)}
-            self._emit(result, finished)
+            sched.update(out, sampled)
+            self._emit(result)
             self._observe_pool()
 
     def _observe_pool(self) -> None:
@@ -334,49 +334,61 @@ class ControlEngine:
             )
         return step
 
-    def _emit(self, result: cpb.StepResult, finished: set[str]) -> None:
+    def _emit(self, result: cpb.StepResult) -> None:
+        """Hand each stream its new tokens: every `stream_interval` tokens, and the first and
+        last at once. Detokenising, stop strings and the response happen only then."""
         sched = self.scheduler
         assert sched is not None
         touched: dict[str, tuple[GenerateStream, pb.GenerateResponse]] = {}
+        interval = self.config.stream_interval
+        running = Status.RUNNING
         now = time.monotonic()
         emitted = 0
+        itl: dict[float, int] = {}  # inter-token latency -> tokens that saw it
         for r in result.results:
             entry = self.choices.get(r.request_id)
             if entry is None:
                 continue  # aborted while the step ran
             stream, choice = entry
-            self._observe_token(stream, choice, now)
             emitted += 1
-            if (pending := touched.get(stream.stream_id)) is None:
-                pending = touched[stream.stream_id] = (
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                self._per_token.ttft.observe(now - stream.arrival_time)
+            if (last := choice.last_token_time) is not None:
+                itl[now - last] = itl.get(now - last, 0) + 1
+            choice.last_token_time = now
+            pending = choice.pending
+            pending.append(r)
+            req = choice.request
+            # A request that got a token is running unless this token finished it.
+            if len(pending) < interval and req.status is running and choice.sent:
+                continue
+            if (out := touched.get(stream.stream_id)) is None:
+                out = touched[stream.stream_id] = (
                     stream,
                     pb.GenerateResponse(request_id=stream.stream_id),
                 )
-            delta, matched = stream.token_delta(choice, r, pending[1])
-            req = choice.request
+            delta, matched = stream.token_delta(choice, pending, out[1])
+            pending.clear()
+            choice.sent = True
             if matched is not None:
                 req.stop_reason = matched
                 sched.finish(req.request_id, Status.FINISHED_STOPPED)
-            if req.status.finished:
+                req.status = Status.FINISHED_STOPPED
+            if req.status is not running:
                 stream.finish(choice, delta, req.status)
                 self.choices.pop(req.request_id, None)
             if req.num_cached_tokens > 0 and choice.index == 0:
                 stream.num_cached_tokens = req.num_cached_tokens
         self._per_token.generation_tokens.inc(emitted)
+        for value, count in itl.items():
+            metrics.observe_many(self._per_token.itl, value, count)
         for stream, resp in touched.values():
             if stream.done:
                 self._observe_finished(stream)
                 resp.usage.CopyFrom(stream.usage())
                 self.streams.pop(stream.stream_id, None)
             stream.queue.put_nowait(resp)
-
-    def _observe_token(self, stream: GenerateStream, choice: Choice, now: float) -> None:
-        if stream.first_token_time is None:
-            stream.first_token_time = now
-            self._per_token.ttft.observe(now - stream.arrival_time)
-        if choice.last_token_time is not None:
-            self._per_token.itl.observe(now - choice.last_token_time)
-        choice.last_token_time = now
 
     def _observe_finished(self, stream: GenerateStream) -> None:
         now = time.monotonic()

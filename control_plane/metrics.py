@@ -51,3 +51,23 @@ decode_time = Histogram(
     "hetero_request_decode_time_seconds", "First token to finish", L, buckets=LATENCY_BUCKETS
 )
 compute_attached = Gauge("hetero_compute_attached", "1 while a compute plane is attached", L)
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """`count` observations of `value` at the cost of one.
+
+    prometheus_client has no batch observe; in a decode step most running sequences
+    see the same inter-token latency, so the step loop observes each distinct value
+    once with its count. Falls back to a loop where the histogram's internals differ.
+    """
+    try:
+        bounds, buckets, total = histogram._upper_bounds, histogram._buckets, histogram._sum
+    except AttributeError:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    for bound, bucket in zip(bounds, buckets, strict=True):
+        if value <= bound:
+            bucket.inc(count)
+            break

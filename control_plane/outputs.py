@@ -27,7 +27,10 @@ class Choice:
     detok: IncrementalDetokenizer
     stop: StopChecker
     finished: bool = False
+    sent: bool = False  # a delta of this choice went out
     last_token_time: float | None = None
+    # Sampled tokens not yet sent (--stream-interval > 1 sends every N tokens).
+    pending: list[cpb.TokenResult] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -48,21 +51,36 @@ class GenerateStream:
         return all(c.finished for c in self.choices)
 
     def token_delta(
-        self, choice: Choice, result: cpb.TokenResult, resp: pb.GenerateResponse
+        self, choice: Choice, results: list[cpb.TokenResult], resp: pb.GenerateResponse
     ) -> tuple[pb.ChoiceDelta, str | None]:
-        """Add the delta of one sampled token to `resp`; also the stop string it completed.
+        """Add the delta of a choice's newly sampled tokens to `resp`; also the stop string matched.
 
-        The delta is built in place (a protobuf append would copy it).
+        The delta is built in place (a protobuf append would copy it). A stop string ends
+        the delta at the token that completed it: the tokens after it are left out of the
+        delta and cut from the request, as if they had never been sampled.
         """
         req = choice.request
-        tok = result.token_id
-        delta = resp.choices.add(index=choice.index, token_ids=[tok], stop_token_id=-1)
-        ended_by_token = req.status == Status.FINISHED_STOPPED and req.stop_reason == tok
-        text = "" if ended_by_token else choice.detok.push(tok)
-        emit, matched = choice.stop.feed(text)
+        delta = resp.choices.add(index=choice.index, stop_token_id=-1)
+        # The token that ended the request (EOS or a stop token) adds no text.
+        last = len(results) - 1
+        ended_by_token = req.status is Status.FINISHED_STOPPED and isinstance(req.stop_reason, int)
+        push, feed = choice.detok.push, choice.stop.feed
+        ids = delta.token_ids
+        text = ""
+        matched = None
+        for i, r in enumerate(results):
+            tok = r.token_id
+            emit, matched = feed("" if ended_by_token and i == last else push(tok))
+            text += emit
+            ids.append(tok)
+            if matched is not None:
+                results = results[: i + 1]
+                if i < last:
+                    del req.token_ids[i - last :]  # sampled after the stop string: never sent
+                break
         if req.sampling.logprobs:
-            delta.logprobs.append(self._logprob(result))
-        delta.text = emit
+            delta.logprobs.extend([self._logprob(r) for r in results])
+        delta.text = text
         return delta, matched
 
     def finish(self, choice: Choice, delta: pb.ChoiceDelta, status: Status) -> None:

@@ -153,3 +153,55 @@ def test_cli_generate_equals_transformers(hf_smollm2, hf_smollm2_tokenizer) -> N
         check=True,
     )
     assert out.stdout.rstrip("\n") == expected
+
+
+def test_stream_interval_sends_every_n_tokens_and_cuts_at_stop(alone, stub) -> None:  # type: ignore[no-untyped-def]
+    """--stream-interval 4: same tokens as interval 1, in messages of 1, 4, 4, ..., rest."""
+    prompt = "Once upon a time, in a land far away,"
+    every = generate(
+        stub,
+        pb.GenerateRequest(text=prompt, params=pb.GenerationParams(max_tokens=40, ignore_eos=True)),
+    )
+    text = every.texts[0]
+    start = len(text) // 2
+    stop = text[start : start + 6]
+    with (
+        control_stack(("--kv-cache-bytes", str(96 << 20)), ("--stream-interval", "4")) as s,
+        grpc.insecure_channel(s.control) as ch,
+    ):
+        batched = pb_grpc.ControlPlaneStub(ch)
+        prompts = _prompts()[:4]
+        for p, want in zip(prompts, alone, strict=False):
+            sizes = []
+            got: list[int] = []
+            for resp in batched.Generate(greedy(p, MAX_TOKENS)):
+                for c in resp.choices:
+                    sizes.append(len(c.token_ids))
+                    got.extend(c.token_ids)
+                    assert bool(c.finish_reason) == (len(got) == MAX_TOKENS)
+            assert got == want
+            # The first token at once, then every 4, the remainder with the finish.
+            assert sizes == [1, 4, 4, 4, 4, 3]
+
+        # A stop token mid-interval ends the stream there, as with interval 1.
+        want = alone[0]
+        stop_id = want[6]
+        by_token = greedy(prompts[0], MAX_TOKENS, stop_token_ids=[stop_id])
+        out, ref = generate(batched, by_token), generate(stub, by_token)
+        assert out.tokens[0] == ref.tokens[0] == want[: want.index(stop_id) + 1]
+        assert out.texts[0] == ref.texts[0]
+        assert out.finish[0] == ref.finish[0] == pb.FINISH_REASON_STOP
+
+        params = pb.GenerationParams(max_tokens=40, ignore_eos=True, stop=[stop])
+        out = generate(batched, pb.GenerateRequest(text=prompt, params=params))
+        cut = text.index(stop)
+        assert out.texts[0] == text[:cut]
+        assert out.finish[0] == pb.FINISH_REASON_STOP
+        # Tokens sampled after the one that completed the stop string are dropped, and
+        # usage counts what the client got.
+        assert out.tokens[0] == every.tokens[0][: len(out.tokens[0])]
+        assert len(out.tokens[0]) < 40
+        assert out.usage is not None and out.usage.completion_tokens == len(out.tokens[0])
+        done = stub.Detokenize(pb.DetokenizeRequest(token_ids=out.tokens[0]))
+        before = stub.Detokenize(pb.DetokenizeRequest(token_ids=out.tokens[0][:-1]))
+        assert stop in done.text and stop not in before.text
