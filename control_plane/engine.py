@@ -67,8 +67,7 @@ class ControlEngine:
         self._step_id = 0
         self._task: asyncio.Task[None] | None = None
         self.attached = asyncio.Event()
-        self.labels = {"model_name": "unknown"}
-        self._per_token = _PerTokenMetrics(self.labels)
+        self._set_model_label("unknown")
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         self._lost = False  # set by the watchdog when the compute plane stops answering
         self._lost_since = 0.0
@@ -107,8 +106,7 @@ class ControlEngine:
         self.description = d
         self._compute_draining = False
         self._readmit()
-        self.labels = {"model_name": d.model_name}
-        self._per_token = _PerTokenMetrics(self.labels)
+        self._set_model_label(d.model_name)
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         metrics.compute_attached.labels(**self.labels).set(1)
         self.attached.set()
@@ -120,6 +118,10 @@ class ControlEngine:
             d.block_size,
             max_len,
         )
+
+    def _set_model_label(self, name: str) -> None:
+        self.labels = {"model_name": name}
+        self._per_token = _PerTokenMetrics(self.labels)
 
     # --------------------------------------------------------------- intake
     def submit(self, prompt_ids: list[int], params: pb.GenerationParams) -> GenerateStream:

@@ -58,10 +58,13 @@ def test_online_load_generator_tiny(tmp_path: Path) -> None:
 
 
 def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
-    report = overhead.main(["--seqs", "2", "--steps", "20", "--out", str(tmp_path / "o.json")])
-    (r,) = report["results"]
-    assert r["running_sequences"] == 2 and r["steps_measured"] >= 10
-    assert 0 < r["ms_per_step_p50"] <= r["ms_per_step_p99"]
+    args = ["--seqs", "2", "--steps", "20", "--stream-intervals", "1,4"]
+    report = overhead.main([*args, "--out", str(tmp_path / "o.json")])
+    runs = report["results"]
+    assert [(r["running_sequences"], r["stream_interval"]) for r in runs] == [(2, 1), (2, 4)]
+    for r in runs:
+        assert r["steps_measured"] >= 10
+        assert 0 < r["ms_per_step_p50"] <= r["ms_per_step_p99"]
 
 
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
