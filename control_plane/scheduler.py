@@ -145,7 +145,11 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
-            (decodes if len(r.token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+            left = len(r.token_ids) - r.num_computed_tokens
+            if left == 1:
+                decodes.append(r)
+            elif left > 1:
+                prefills.append(r)
         allocate = self.block_manager.allocate
         for req in decodes + prefills:
             if budget == 0:
