@@ -8,7 +8,9 @@ blocks are scattered, as in a long-running server, with the torch backend (gathe
 SDPA) and the cpu backend (C kernel reading blocks in place), and profiles each; then
 the cpu backend's step with the projections by MKL (F.linear) and by oneDNN. `--compare-ref` loads
 `compute_plane/attention.py` as it was at a git revision (through `git show`) and
-times the same step with it: the before/after of an attention change.
+times the same step with it: the before/after of an attention change. `--prefills`
+times the prefill of one prompt of N tokens with nothing cached (forward + lm_head of
+its last row) with each backend, alternated, best of two.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="default")
     ap.add_argument("--shapes", default="1x300,4x300,16x300,48x300,48x600", help="BxC,...")
+    ap.add_argument("--prefills", default="512,2048", help="prompt lengths to time a prefill of")
     ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' attention")
     ap.add_argument("--out", type=Path, default=Path("docs/perf/decode_step.json"))
     args = ap.parse_args(argv)
@@ -149,6 +152,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     report["steps"] = rows
+    report["prefills"] = []
+    for n in (int(x) for x in args.prefills.split(",") if x):
+        nb = -(-n // bs)
+        cache = KVCache(cfg, nb + 1, bs, torch.float32, cpu)
+        slots = torch.arange(bs, bs + n)
+        table = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
+        tokens, pos = torch.randint(100, 1000, (n,)), torch.arange(n)
+        prow: dict[str, Any] = {"prefill_tokens": n}
+        for name, backend in [*backends.items()] * 2:
+            model.attention = backend
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                meta = AttentionMetadata(
+                    slot_mapping=slots,
+                    block_tables=table,
+                    seq_lens=[n],
+                    query_lens=[n],
+                    num_decodes=0,
+                    block_size=bs,
+                )
+                hidden = model.forward(tokens, pos, meta, cache.layers)
+                model.logits(hidden[-1:])
+                times.append(time.perf_counter() - t)
+            best = round(min(times) * 1e3, 1)
+            prow[f"{name}_ms"] = min(best, prow.get(f"{name}_ms", float("inf")))
+        report["prefills"].append(prow)
+        print(json.dumps(prow), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"report: {args.out}", file=sys.stderr)

@@ -68,7 +68,10 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
 
 
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
-    report = decode_step.main(["--shapes", "2x20", "--out", str(tmp_path / "d.json")])
+    args = ["--shapes", "2x20", "--prefills", "24"]
+    report = decode_step.main([*args, "--out", str(tmp_path / "d.json")])
+    (prefill,) = report["prefills"]
+    assert prefill["prefill_tokens"] == 24 and prefill["torch_ms"] > 0 and prefill["cpu_ms"] > 0
     (row,) = report["steps"]
     assert row["batch"] == 2 and row["torch_ms"] > 0 and row["cpu_ms"] > 0
     for backend in ("torch", "cpu"):
