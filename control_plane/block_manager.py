@@ -77,13 +77,11 @@ class BlockManager:
         then nothing changed.
         """
         table = self.tables.get(req.request_id)
-        if table is not None and req.num_computed_tokens + num_new_tokens <= len(table) * (
-            self.block_size
-        ):
-            return []  # fits in the blocks it holds (most decode steps)
         prefix = prefix or []
         held = len(table) if table is not None else len(prefix)
         need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - held
+        if need <= 0 and table is not None:
+            return []  # fits in the blocks it holds (most decode steps)
         # Shared prefix blocks sitting in the free queue stop being free once taken.
         if max(0, need) + self.pool.num_free_among(prefix) > self.pool.num_free:
             return None

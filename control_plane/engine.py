@@ -376,6 +376,7 @@ class ControlEngine:
             if matched is not None:
                 req.stop_reason = matched
                 sched.finish(req.request_id, Status.FINISHED_STOPPED)
+                # Also when the scheduler ended it by length: the text ends at the stop string.
                 req.status = Status.FINISHED_STOPPED
             if req.status is not running:
                 stream.finish(choice, delta, req.status)
