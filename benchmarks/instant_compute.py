@@ -68,7 +68,9 @@ class InstantCompute(pb_grpc.ComputePlaneServicer):
                 self._advance(r.request_id, r.num_scheduled_tokens, result)
             for c in step.continuing:
                 self._advance(c.request_id, c.num_scheduled_tokens, result)
-            n = len(step.new_requests) + len(step.continuing)
+            for rid in step.decode_ids:
+                self._advance(rid, 1, result)
+            n = len(step.new_requests) + len(step.continuing) + len(step.decode_ids)
             if last is not None:
                 self.gaps.append((n, now - last))
             result.num_seqs = n
@@ -79,7 +81,8 @@ class InstantCompute(pb_grpc.ComputePlaneServicer):
         p = self.progress[rid]
         p[1] += n
         if p[1] == p[0]:  # all known tokens computed: sample one
-            result.results.add(request_id=rid, token_id=100 + (p[0] * 7919) % 20000)
+            result.sampled_ids.append(rid)
+            result.sampled_token_ids.append(100 + (p[0] * 7919) % 20000)
             p[0] += 1
 
 

@@ -253,17 +253,24 @@ class Engine:
             self._check_count(rid, state, len(blocks), n.num_scheduled_tokens)
             rows.append((rid, state, n.num_scheduled_tokens))
 
-        for c in req.continuing:
-            rid = c.request_id
+        def active(rid: str) -> RequestState:
             check_once(rid)
             if rid not in self.requests or rid in finished:
                 raise StepRejected(f"unknown request id {rid!r} (not active on this compute plane)")
-            state = self.requests[rid]
+            return self.requests[rid]
+
+        for c in req.continuing:
+            rid = c.request_id
+            state = active(rid)
             check_blocks(rid, list(c.new_block_ids))
             self._check_count(
                 rid, state, len(state.block_ids) + len(c.new_block_ids), c.num_scheduled_tokens
             )
             rows.append((rid, state, c.num_scheduled_tokens))
+        for rid in req.decode_ids:
+            state = active(rid)
+            self._check_count(rid, state, len(state.block_ids), 1)
+            rows.append((rid, state, 1))
         total = sum(n for _, _, n in rows)
         if self.device.type == "cuda" and total > self.config.max_num_batched_tokens:
             raise StepRejected(
@@ -379,11 +386,15 @@ class Engine:
                 for r in rows
             ],
         )
+        sampled_ids: list[str] = []
         for i, r in enumerate(rows):
             tok = out.token_ids[i]
             r.state.token_ids.append(tok)
-            tr = result.results.add(request_id=r.request_id, token_id=tok)
+            sampled_ids.append(r.request_id)
             spec = r.state.sampling
+            if not (spec.logprobs or spec.top_logprobs):
+                continue
+            tr = result.results.add(request_id=r.request_id, token_id=tok)
             if spec.logprobs and out.logprobs is not None:
                 tr.logprob = out.logprobs[i]
             if spec.top_logprobs and out.top_ids is not None and out.top_logprobs is not None:
@@ -391,4 +402,6 @@ class Engine:
                     out.top_ids[i][: spec.top_logprobs], out.top_logprobs[i], strict=False
                 ):
                     tr.top_logprobs.add(token_id=tid, logprob=lp)
+        result.sampled_ids.extend(sampled_ids)
+        result.sampled_token_ids.extend(out.token_ids)
         self.counters.num_sampled_tokens += len(rows)

@@ -291,7 +291,7 @@ class ControlEngine:
             if result.draining and not self._compute_draining:
                 log.info("the compute plane is draining: new requests wait for the next one")
                 self._compute_draining = True
-            sampled = {r.request_id: r.token_id for r in result.results}
+            sampled = dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True))
             sched.update(out, sampled)
             self._emit(result)
             self._observe_pool()
@@ -328,12 +328,17 @@ class ControlEngine:
                 block_ids=s.block_ids,
                 sampling=r.sampling,
             )
+        decode_ids = []  # one token in the blocks it holds: the id alone says it
         for c in out.continuing:
-            step.continuing.add(
-                request_id=c.request.request_id,
-                new_block_ids=c.new_block_ids,
-                num_scheduled_tokens=c.num_scheduled_tokens,
-            )
+            if c.num_scheduled_tokens == 1 and not c.new_block_ids:
+                decode_ids.append(c.request.request_id)
+            else:
+                step.continuing.add(
+                    request_id=c.request.request_id,
+                    new_block_ids=c.new_block_ids,
+                    num_scheduled_tokens=c.num_scheduled_tokens,
+                )
+        step.decode_ids.extend(decode_ids)
         return step
 
     def _emit(self, result: cpb.StepResult) -> None:
@@ -347,8 +352,9 @@ class ControlEngine:
         now = time.monotonic()
         emitted = 0
         itl: dict[float, int] = {}  # inter-token latency -> tokens that saw it
-        for r in result.results:
-            entry = self.choices.get(r.request_id)
+        logprobs = {r.request_id: r for r in result.results} if result.results else None
+        for rid, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
+            entry = self.choices.get(rid)
             if entry is None:
                 continue  # aborted while the step ran
             stream, choice = entry
@@ -360,7 +366,9 @@ class ControlEngine:
                 itl[now - last] = itl.get(now - last, 0) + 1
             choice.last_token_time = now
             pending = choice.pending
-            pending.append(r)
+            pending.append(token)
+            if logprobs is not None and rid in logprobs:
+                choice.pending_logprobs.append(logprobs[rid])
             req = choice.request
             # A request that got a token is running unless this token finished it.
             if len(pending) < interval and req.status is running and choice.sent:
@@ -372,6 +380,7 @@ class ControlEngine:
                 )
             delta, matched = stream.token_delta(choice, pending, out[1])
             pending.clear()
+            choice.pending_logprobs.clear()
             choice.sent = True
             if matched is not None:
                 req.stop_reason = matched

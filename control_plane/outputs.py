@@ -29,8 +29,10 @@ class Choice:
     finished: bool = False
     sent: bool = False  # a delta of this choice went out
     last_token_time: float | None = None
-    # Sampled tokens not yet sent (--stream-interval > 1 sends every N tokens).
-    pending: list[cpb.TokenResult] = field(default_factory=list)
+    # Sampled tokens not yet sent (--stream-interval > 1 sends every N tokens), and
+    # their logprobs when the request asked for them.
+    pending: list[int] = field(default_factory=list)
+    pending_logprobs: list[cpb.TokenResult] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -51,7 +53,7 @@ class GenerateStream:
         return all(c.finished for c in self.choices)
 
     def token_delta(
-        self, choice: Choice, results: list[cpb.TokenResult], resp: pb.GenerateResponse
+        self, choice: Choice, tokens: list[int], resp: pb.GenerateResponse
     ) -> tuple[pb.ChoiceDelta, str | None]:
         """Add the delta of a choice's newly sampled tokens to `resp`; also the stop string matched.
 
@@ -62,24 +64,23 @@ class GenerateStream:
         req = choice.request
         delta = resp.choices.add(index=choice.index, stop_token_id=-1)
         # The token that ended the request (EOS or a stop token) adds no text.
-        last = len(results) - 1
+        last = len(tokens) - 1
         ended_by_token = req.status is Status.FINISHED_STOPPED and isinstance(req.stop_reason, int)
         push, feed = choice.detok.push, choice.stop.feed
-        ids = delta.token_ids
         text = ""
         matched = None
-        for i, r in enumerate(results):
-            tok = r.token_id
+        sent = len(tokens)
+        for i, tok in enumerate(tokens):
             emit, matched = feed("" if ended_by_token and i == last else push(tok))
             text += emit
-            ids.append(tok)
             if matched is not None:
-                results = results[: i + 1]
+                sent = i + 1
                 if i < last:
                     del req.token_ids[i - last :]  # sampled after the stop string: never sent
                 break
+        delta.token_ids.extend(tokens[:sent])
         if req.sampling.logprobs:
-            delta.logprobs.extend([self._logprob(r) for r in results])
+            delta.logprobs.extend([self._logprob(r) for r in choice.pending_logprobs[:sent]])
         delta.text = text
         return delta, matched
 

@@ -65,8 +65,26 @@ class StepDriver:
         new: list[pb.NewRequest] = (),  # type: ignore[assignment]
         cont: list[pb.ContinuingRequest] = (),  # type: ignore[assignment]
         finished: list[str] = (),  # type: ignore[assignment]
+        *,
+        pack_decodes: bool = True,
     ) -> pb.StepRequest:
+        """A step; a one-token continuation with no new block goes in decode_ids, as the
+        control plane sends it (`pack_decodes=False` keeps every ContinuingRequest)."""
         self.step_id += 1
+        packed = [
+            c.request_id
+            for c in cont
+            if pack_decodes and c.num_scheduled_tokens == 1 and not c.new_block_ids
+        ]
         return pb.StepRequest(
-            step_id=self.step_id, new_requests=new, continuing=cont, finished_ids=finished
+            step_id=self.step_id,
+            new_requests=new,
+            continuing=[c for c in cont if c.request_id not in packed],
+            decode_ids=packed,
+            finished_ids=finished,
         )
+
+
+def sampled(result: pb.StepResult) -> dict[str, int]:
+    """Request id -> the token it sampled in this step."""
+    return dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True))

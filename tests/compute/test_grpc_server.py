@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
-from tests.compute.step_driver import StepDriver
+from tests.compute.step_driver import StepDriver, sampled
 from tests.conftest import hf_greedy
 from tests.procs import compute_plane
 
@@ -100,8 +100,8 @@ def test_four_concurrent_greedy_requests_match_transformers(stub, greedy_referen
 
     def record(result: pb.StepResult) -> None:
         assert not result.HasField("error"), result.error.message
-        for r in result.results:
-            got[r.request_id].append(r.token_id)
+        for rid, token in sampled(result).items():
+            got[rid].append(token)
 
     # r0, r1 arrive first; r2 joins one step later (so prefill and decode mix);
     # r3's prompt is prefilled in two chunks.
@@ -155,13 +155,15 @@ def test_malformed_steps_are_rejected_and_others_go_on(stub, greedy_reference) -
     def ok(step: pb.StepRequest) -> None:
         res = stream.send(step)
         assert not res.HasField("error"), res.error.message
-        tokens.extend(r.token_id for r in res.results)
+        tokens.extend(res.sampled_token_ids)
 
     ok(drv.step(new=[drv.new("good", prompt, len(prompt))]))
     bad_cases = {
         "unknown request id 'ghost'": pb.StepRequest(
             continuing=[pb.ContinuingRequest(request_id="ghost", num_scheduled_tokens=1)]
         ),
+        "unknown request id 'phantom'": pb.StepRequest(decode_ids=["phantom"]),
+        "'good' appears twice": pb.StepRequest(decode_ids=["good"]),
         f"block id {d.num_kv_blocks} out of range": pb.StepRequest(
             new_requests=[
                 pb.NewRequest(
@@ -205,7 +207,7 @@ def test_malformed_steps_are_rejected_and_others_go_on(stub, greedy_reference) -
         res = stream.send(bad)
         assert res.error.code == "INVALID_ARGUMENT"
         assert needle in res.error.message, res.error.message
-        assert len(res.results) == 0
+        assert len(res.sampled_ids) == 0
     while len(tokens) < NEW_TOKENS:
         ok(drv.step(cont=[drv.cont("good", 1)]))
     stream.close()

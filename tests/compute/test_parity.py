@@ -77,7 +77,7 @@ def _decode(engine: Engine, drv: StepDriver, rids: list[str], steps: int) -> Non
     for _ in range(steps):
         res = engine.step(drv.step(cont=[drv.cont(r, 1) for r in rids]))
         assert not res.HasField("error"), res.error.message
-        assert len(res.results) == len(rids)
+        assert sorted(res.sampled_ids) == sorted(rids)
 
 
 def test_one_prompt(case) -> None:  # type: ignore[no-untyped-def]
@@ -85,7 +85,7 @@ def test_one_prompt(case) -> None:  # type: ignore[no-untyped-def]
     drv = StepDriver(engine.num_blocks, engine.block_size, seed=1)
     prompt = _tokens(engine, 11, seed=1)
     res = engine.step(drv.step(new=[drv.new("one", prompt, len(prompt))]))
-    assert [r.request_id for r in res.results] == ["one"]
+    assert list(res.sampled_ids) == ["one"]
     _decode(engine, drv, ["one"], 5)
     _check(engine, ref, "one")
     engine.step(drv.step(finished=["one"]))
@@ -97,7 +97,7 @@ def test_batch_of_different_lengths(case) -> None:  # type: ignore[no-untyped-de
     lengths = {"a": 3, "b": 17, "c": 1, "d": 9}
     news = [drv.new(r, _tokens(engine, n, seed=n), n) for r, n in lengths.items()]
     res = engine.step(drv.step(new=news))
-    assert sorted(r.request_id for r in res.results) == sorted(lengths)
+    assert sorted(res.sampled_ids) == sorted(lengths)
     _decode(engine, drv, list(lengths), 4)
     for rid in lengths:
         _check(engine, ref, rid)
@@ -109,13 +109,13 @@ def test_chunked_prefill_then_decode(case) -> None:  # type: ignore[no-untyped-d
     drv = StepDriver(engine.num_blocks, engine.block_size, seed=3)
     prompt = _tokens(engine, 30, seed=3)
     res = engine.step(drv.step(new=[drv.new("chunked", prompt, 7)]))
-    assert len(res.results) == 0  # a non-final chunk samples nothing
+    assert len(res.sampled_ids) == 0  # a non-final chunk samples nothing
     done = 7
     while done < len(prompt):
         n = min(7, len(prompt) - done)
         res = engine.step(drv.step(cont=[drv.cont("chunked", n)]))
         done += n
-        assert len(res.results) == (1 if done == len(prompt) else 0)
+        assert len(res.sampled_ids) == (1 if done == len(prompt) else 0)
     _decode(engine, drv, ["chunked"], 3)
     _check(engine, ref, "chunked")
     engine.step(drv.step(finished=["chunked"]))
