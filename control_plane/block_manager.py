@@ -77,11 +77,11 @@ class BlockManager:
         then nothing changed.
         """
         table = self.tables.get(req.request_id)
-        prefix = prefix or []
-        held = len(table) if table is not None else len(prefix)
+        held = len(table) if table is not None else len(prefix or ())
         need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - held
         if need <= 0 and table is not None:
             return []  # fits in the blocks it holds (most decode steps)
+        prefix = prefix or []
         # Shared prefix blocks sitting in the free queue stop being free once taken.
         if max(0, need) + self.pool.num_free_among(prefix) > self.pool.num_free:
             return None

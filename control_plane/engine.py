@@ -353,8 +353,9 @@ class ControlEngine:
         emitted = 0
         itl: dict[float, int] = {}  # inter-token latency -> tokens that saw it
         logprobs = {r.request_id: r for r in result.results} if result.results else None
+        choices = self.choices
         for rid, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
-            entry = self.choices.get(rid)
+            entry = choices.get(rid)
             if entry is None:
                 continue  # aborted while the step ran
             stream, choice = entry
@@ -363,7 +364,8 @@ class ControlEngine:
                 stream.first_token_time = now
                 self._per_token.ttft.observe(now - stream.arrival_time)
             if (last := choice.last_token_time) is not None:
-                itl[now - last] = itl.get(now - last, 0) + 1
+                gap = now - last
+                itl[gap] = itl.get(gap, 0) + 1
             choice.last_token_time = now
             pending = choice.pending
             pending.append(token)

@@ -30,7 +30,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is full; retry later."""
 
 
-@dataclass
+@dataclass(slots=True)
 class NewScheduled:
     request: Request
     block_ids: list[int]
@@ -38,7 +38,7 @@ class NewScheduled:
     num_scheduled_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class ContinuingScheduled:
     request: Request
     new_block_ids: list[int]
@@ -151,10 +151,11 @@ class Scheduler:
             elif left > 1:
                 prefills.append(r)
         allocate = self.block_manager.allocate
+        running = Status.RUNNING
         for req in decodes + prefills:
             if budget == 0:
                 break
-            if req.status is not Status.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
             while (new_ids := allocate(req, n)) is None:
@@ -200,14 +201,15 @@ class Scheduler:
             budget -= n
 
         out.finished_ids, self._dropped = self._dropped, []
+        continuing = out.continuing
         for req, (new_ids, n) in planned.items():
             if req.sent_to_compute:
-                out.continuing.append(ContinuingScheduled(req, new_ids, n))
+                continuing.append(ContinuingScheduled(req, new_ids, n))
             else:
                 ids = self.block_manager.block_ids(req.request_id)
                 out.new.append(NewScheduled(req, ids, req.num_computed_tokens, n))
                 req.sent_to_compute = True
-            out.num_tokens += n
+        out.num_tokens = self.max_num_batched_tokens - budget
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -215,8 +217,10 @@ class Scheduler:
         finished = []
         cache_computed = self.block_manager.cache_computed
         forks = self.pending_forks
+        running = Status.RUNNING
+        max_model_len = self.max_model_len
         for req, n in out.scheduled():
-            if req.status is not Status.RUNNING:
+            if req.status is not running:
                 continue  # aborted while the step was in flight
             req.num_computed_tokens += n
             cache_computed(req)
@@ -230,7 +234,7 @@ class Scheduler:
             if token is None:
                 continue
             req.token_ids.append(token)
-            status = req.stop_check(token, self.max_model_len)
+            status = req.stop_check(token, max_model_len)
             if status is not None:
                 self.finish(req.request_id, status)
                 finished.append(req)
