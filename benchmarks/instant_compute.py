@@ -60,29 +60,36 @@ class InstantCompute(pb_grpc.ComputePlaneServicer):
         last: float | None = None
         async for step in request_iterator:
             now = time.perf_counter()
-            result = pb.StepResult(step_id=step.step_id)
-            for rid in step.finished_ids:
-                self.progress.pop(rid, None)
-            for r in step.new_requests:
-                self.progress[r.request_id] = [len(r.token_ids), r.num_computed_tokens]
-                self._advance(r.request_id, r.num_scheduled_tokens, result)
-            for c in step.continuing:
-                self._advance(c.request_id, c.num_scheduled_tokens, result)
-            for rid in step.decode_ids:
-                self._advance(rid, 1, result)
-            n = len(step.new_requests) + len(step.continuing) + len(step.decode_ids)
+            result = self.answer(step)
             if last is not None:
-                self.gaps.append((n, now - last))
-            result.num_seqs = n
+                self.gaps.append((result.num_seqs, now - last))
             last = time.perf_counter()
             yield result
 
-    def _advance(self, rid: str, n: int, result: pb.StepResult) -> None:
+    def answer(self, step: pb.StepRequest) -> pb.StepResult:
+        """The step's result: a token for each request whose known tokens are all computed."""
+        ids: list[str] = []
+        tokens: list[int] = []
+        for rid in step.finished_ids:
+            self.progress.pop(rid, None)
+        for r in step.new_requests:
+            self.progress[r.request_id] = [len(r.token_ids), r.num_computed_tokens]
+            self._advance(r.request_id, r.num_scheduled_tokens, ids, tokens)
+        for c in step.continuing:
+            self._advance(c.request_id, c.num_scheduled_tokens, ids, tokens)
+        for rid in step.decode_ids:
+            self._advance(rid, 1, ids, tokens)
+        n = len(step.new_requests) + len(step.continuing) + len(step.decode_ids)
+        return pb.StepResult(
+            step_id=step.step_id, sampled_ids=ids, sampled_token_ids=tokens, num_seqs=n
+        )
+
+    def _advance(self, rid: str, n: int, ids: list[str], tokens: list[int]) -> None:
         p = self.progress[rid]
         p[1] += n
         if p[1] == p[0]:  # all known tokens computed: sample one
-            result.sampled_ids.append(rid)
-            result.sampled_token_ids.append(100 + (p[0] * 7919) % 20000)
+            ids.append(rid)
+            tokens.append(100 + (p[0] * 7919) % 20000)
             p[0] += 1
 
 

@@ -8,6 +8,11 @@ every step at once. The gap between a step's result and the next step, measured 
 compute side, is what the control plane costs per step; the model's time is not in it.
 Each count is measured with the control plane's --stream-interval at 1 (a message per
 token, the default) and at 16 (a message per stream every 16 tokens).
+
+Beside each figure, `in_process` splits the same loop without gRPC or processes: the
+control plane's own step code (schedule, build the step, apply the result, output
+processing) driven in one process against the harness's logic, each part timed. The
+gap between the two is gRPC, the Generate streams and the event loop.
 """
 
 from __future__ import annotations
@@ -26,8 +31,14 @@ from typing import Any
 
 import grpc
 
+from benchmarks.instant_compute import InstantCompute
 from benchmarks.workload import machine
+from control_plane.config import ControlConfig
+from control_plane.engine import ControlEngine
+from control_plane.tokenizer import load_tokenizer
 from hetero_infer.local import child, free_port, stop_process, wait_serving
+from hetero_infer.model_path import bundled_gguf
+from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -115,6 +126,75 @@ def measure(num_seqs: int, steps: int, stream_interval: int = 1, seed: int = 0) 
     }
 
 
+class _Wire:
+    """A ComputeLink that answers with InstantCompute's logic in this process; the step
+    and its result are serialised and parsed as gRPC would."""
+
+    address = "in-process"
+
+    def __init__(self) -> None:
+        self.compute = InstantCompute(num_blocks=100_000, block_size=16, vocab_size=49152)
+
+    async def attach(self, timeout: float = 10.0) -> cpb.DescribeResponse:
+        return self.compute.description
+
+    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
+        return True
+
+    async def step(self, request: cpb.StepRequest) -> cpb.StepResult:
+        step = cpb.StepRequest.FromString(request.SerializeToString())
+        return cpb.StepResult.FromString(self.compute.answer(step).SerializeToString())
+
+    async def close(self) -> None:
+        pass
+
+
+def breakdown(num_seqs: int, steps: int, stream_interval: int = 1) -> dict[str, float]:
+    """Mean ms per step of each part of the control plane's step loop, in one process."""
+
+    async def run() -> dict[str, float]:
+        config = ControlConfig(
+            compute="in-process", stream_interval=stream_interval, max_num_seqs=max(256, num_seqs)
+        )
+        engine = ControlEngine(config, load_tokenizer(bundled_gguf()), _Wire())
+        await engine._attach()
+        sched = engine.scheduler
+        assert sched is not None
+        params = pb.GenerationParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
+        streams = [engine.submit([100 + i % 20000] * 16, params) for i in range(num_seqs)]
+        parts = dict.fromkeys(("schedule", "build_step", "wire", "update", "outputs"), 0.0)
+        clock = time.perf_counter
+        for i in range(steps + 4):  # the first steps admit the prompts
+            t0 = clock()
+            out = sched.schedule()
+            t1 = clock()
+            engine._step_id += 1
+            step = engine._to_step(out)
+            t2 = clock()
+            result = await engine.client.step(step)
+            t3 = clock()
+            sched.update(out, dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True)))
+            t4 = clock()
+            engine._emit(result)
+            engine._observe_pool()
+            t5 = clock()
+            for st in streams:  # what the Generate coroutines would take
+                while not st.queue.empty():
+                    st.queue.get_nowait()
+            if i >= 4:
+                assert len(sched.running) == num_seqs
+                for key, dt in zip(
+                    parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True
+                ):
+                    parts[key] += dt
+        # "wire" is the serialisation both ways plus the harness's own answer.
+        ms = {f"{k}_ms": round(v * 1000 / steps, 3) for k, v in parts.items()}
+        ms["total_ms"] = round(sum(parts.values()) * 1000 / steps, 3)
+        return ms
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seqs", default="1,64,256", help="running sequences to measure at")
@@ -129,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for interval in (int(x) for x in args.stream_intervals.split(",")):
         for n in (int(x) for x in args.seqs.split(",")):
             r = measure(n, args.steps, interval)
+            r["in_process"] = breakdown(n, args.steps, interval)
             report["results"].append(r)
             print(json.dumps(r))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -65,6 +65,17 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
     for r in runs:
         assert r["steps_measured"] >= 10
         assert 0 < r["ms_per_step_p50"] <= r["ms_per_step_p99"]
+        parts = r["in_process"]
+        assert set(parts) == {
+            "schedule_ms",
+            "build_step_ms",
+            "wire_ms",
+            "update_ms",
+            "outputs_ms",
+            "total_ms",
+        }
+        assert all(v > 0 for v in parts.values())
+        assert parts["total_ms"] >= max(v for k, v in parts.items() if k != "total_ms")
 
 
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
