@@ -205,3 +205,21 @@ def test_stream_interval_sends_every_n_tokens_and_cuts_at_stop(alone, stub) -> N
         done = stub.Detokenize(pb.DetokenizeRequest(token_ids=out.tokens[0]))
         before = stub.Detokenize(pb.DetokenizeRequest(token_ids=out.tokens[0][:-1]))
         assert stop in done.text and stop not in before.text
+
+        # Logprobs travel with their held-back tokens and are cut with them.
+        params = pb.GenerationParams(
+            max_tokens=40, ignore_eos=True, stop=[stop], logprobs=True, top_logprobs=2
+        )
+        request = pb.GenerateRequest(text=prompt, params=params)
+        for client in (batched, stub):
+            tokens, lps = [], []
+            for resp in client.Generate(request):
+                for c in resp.choices:
+                    assert len(c.logprobs) == len(c.token_ids)
+                    tokens.extend(c.token_ids)
+                    lps.extend(c.logprobs)
+            assert tokens == out.tokens[0]
+            assert [lp.token_id for lp in lps] == tokens
+            # Greedy: the sampled token is the most likely one.
+            assert all(lp.top_logprobs[0].token_id == lp.token_id for lp in lps)
+            assert all(lp.logprob == pytest.approx(lp.top_logprobs[0].logprob) for lp in lps)
