@@ -33,6 +33,7 @@ import grpc
 
 from benchmarks.instant_compute import InstantCompute
 from benchmarks.workload import machine
+from control_plane.compute_client import sampled_tokens
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.tokenizer import load_tokenizer
@@ -173,9 +174,10 @@ def breakdown(num_seqs: int, steps: int, stream_interval: int = 1) -> dict[str, 
             t2 = clock()
             result = await engine.client.step(step)
             t3 = clock()
-            sched.update(out, dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True)))
+            sampled = sampled_tokens(result)
+            sched.update(out, sampled)
             t4 = clock()
-            engine._emit(result)
+            engine._emit(result, sampled)
             engine._observe_pool()
             t5 = clock()
             for st in streams:  # what the Generate coroutines would take

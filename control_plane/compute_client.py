@@ -28,6 +28,11 @@ class StepFailed(RuntimeError):
         self.code = error.code
 
 
+def sampled_tokens(result: pb.StepResult) -> dict[str, int]:
+    """Request id -> the token it sampled in this step, in the result's order."""
+    return dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True))
+
+
 class ComputeLink(Protocol):
     """What the control plane's step loop needs from a compute plane.
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 from compute_plane.sampling_params import SamplingSpec
 from control_plane import metrics
-from control_plane.compute_client import ComputeClient, ComputeLink, ComputeLinkError, StepFailed
+from control_plane.compute_client import (
+    ComputeClient,
+    ComputeLink,
+    ComputeLinkError,
+    StepFailed,
+    sampled_tokens,
+)
 from control_plane.config import ControlConfig
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.outputs import Choice, GenerateStream
@@ -291,9 +297,9 @@ class ControlEngine:
             if result.draining and not self._compute_draining:
                 log.info("the compute plane is draining: new requests wait for the next one")
                 self._compute_draining = True
-            sampled = dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True))
+            sampled = sampled_tokens(result)
             sched.update(out, sampled)
-            self._emit(result)
+            self._emit(result, sampled)
             self._observe_pool()
 
     def _observe_pool(self) -> None:
@@ -341,7 +347,7 @@ class ControlEngine:
         step.decode_ids.extend(decode_ids)
         return step
 
-    def _emit(self, result: cpb.StepResult) -> None:
+    def _emit(self, result: cpb.StepResult, sampled: dict[str, int]) -> None:
         """Hand each stream its new tokens: every `stream_interval` tokens, and the first and
         last at once. Detokenising, stop strings and the response happen only then."""
         sched = self.scheduler
@@ -354,7 +360,7 @@ class ControlEngine:
         itl: dict[float, int] = {}  # inter-token latency -> tokens that saw it
         logprobs = {r.request_id: r for r in result.results} if result.results else None
         choices = self.choices
-        for rid, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
+        for rid, token in sampled.items():
             entry = choices.get(rid)
             if entry is None:
                 continue  # aborted while the step ran

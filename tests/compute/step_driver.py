@@ -83,8 +83,3 @@ class StepDriver:
             decode_ids=packed,
             finished_ids=finished,
         )
-
-
-def sampled(result: pb.StepResult) -> dict[str, int]:
-    """Request id -> the token it sampled in this step."""
-    return dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True))

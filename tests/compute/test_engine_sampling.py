@@ -9,8 +9,9 @@ import pytest
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine
 from compute_plane.loader import load_model
+from control_plane.compute_client import sampled_tokens
 from hetero_proto import compute_pb2 as pb
-from tests.compute.step_driver import GREEDY, StepDriver, sampled
+from tests.compute.step_driver import GREEDY, StepDriver
 from tests.conftest import make_tiny_model
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7]
@@ -38,7 +39,7 @@ def _run(
     res = engine.step(drv.step(new=news))
     for _ in range(STEPS):
         assert not res.results  # logprobs only for requests that ask
-        for rid, token in sampled(res).items():
+        for rid, token in sampled_tokens(res).items():
             out[rid].append(token)
         res = engine.step(drv.step(cont=[drv.cont(rid, 1) for rid in requests]))
     return out
@@ -78,7 +79,7 @@ def test_logprobs_returned_when_asked(engine: Engine) -> None:
     params = pb.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)
     res = engine.step(drv.step(new=[drv.new("lp", PROMPT, len(PROMPT), sampling=params)]))
     (r,) = res.results
-    assert sampled(res) == {"lp": r.token_id}
+    assert sampled_tokens(res) == {"lp": r.token_id}
     assert len(r.top_logprobs) == 3
     assert r.top_logprobs[0].token_id == r.token_id  # greedy picks the most likely token
     assert r.logprob == pytest.approx(r.top_logprobs[0].logprob)

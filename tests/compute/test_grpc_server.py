@@ -10,9 +10,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from control_plane.compute_client import sampled_tokens
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
-from tests.compute.step_driver import StepDriver, sampled
+from tests.compute.step_driver import StepDriver
 from tests.conftest import hf_greedy
 from tests.procs import compute_plane
 
@@ -100,7 +101,7 @@ def test_four_concurrent_greedy_requests_match_transformers(stub, greedy_referen
 
     def record(result: pb.StepResult) -> None:
         assert not result.HasField("error"), result.error.message
-        for rid, token in sampled(result).items():
+        for rid, token in sampled_tokens(result).items():
             got[rid].append(token)
 
     # r0, r1 arrive first; r2 joins one step later (so prefill and decode mix);
