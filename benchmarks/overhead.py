@@ -36,6 +36,7 @@ from benchmarks.workload import machine
 from control_plane.compute_client import sampled_tokens
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
+from control_plane.server import CallOutbox
 from control_plane.tokenizer import load_tokenizer
 from hetero_infer.local import child, free_port, stop_process, wait_serving
 from hetero_infer.model_path import bundled_gguf
@@ -44,7 +45,44 @@ from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
 
-async def _drive(control: str, num_seqs: int, steps: int, seed: int) -> None:
+def _request(rng: random.Random, steps: int) -> pb.GenerateRequest:
+    params = pb.GenerationParams(max_tokens=4 * steps + 4096, temperature=0, ignore_eos=True)
+    prompt = [rng.randint(100, 20000) for _ in range(16)]
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params)
+
+
+async def _drive_many(control: str, num_seqs: int, steps: int, seed: int) -> None:
+    """As _drive_calls, but every request on one GenerateMany call, as the gateway sends them."""
+    rng = random.Random(seed)
+    async with grpc.aio.insecure_channel(control) as channel:
+        call = pb_grpc.ControlPlaneStub(channel).GenerateMany()
+        for i in range(num_seqs):
+            start = pb.GenerateManyRequest(start=_request(rng, steps))
+            start.start.request_id = str(i)
+            await call.write(start)
+        seen = dict.fromkeys(map(str, range(num_seqs)), 0)
+        after: dict[str, int] | None = None  # tokens read since all were running
+        while seen:
+            message = await call.read()
+            assert isinstance(message, pb.GenerateManyResponse), message
+            assert not message.errors, message.errors
+            for resp in message.responses:
+                rid = resp.request_id
+                if rid not in seen:
+                    continue
+                got = sum(len(c.token_ids) for c in resp.choices)
+                seen[rid] += got
+                if after is not None:
+                    after[rid] += got
+                    if after[rid] >= steps:
+                        del seen[rid]
+                        await call.write(pb.GenerateManyRequest(cancel=rid))
+            if after is None and all(seen.values()):
+                after = dict.fromkeys(seen, 0)
+        call.cancel()
+
+
+async def _drive_calls(control: str, num_seqs: int, steps: int, seed: int) -> None:
     """num_seqs streams decoding together for about `steps` decode steps.
 
     Streams open one after another (each is a Generate call the control plane admits
@@ -68,11 +106,7 @@ async def _drive(control: str, num_seqs: int, steps: int, seed: int) -> None:
 
         async def one(i: int) -> None:
             nonlocal have_first
-            params = pb.GenerationParams(
-                max_tokens=4 * steps + 4096, temperature=0, ignore_eos=True
-            )
-            prompt = [rng.randint(100, 20000) for _ in range(16)]
-            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=params)
+            req = _request(rng, steps)
             seen = after = 0
             async for resp in stubs[i % len(stubs)].Generate(req):
                 got = sum(len(c.token_ids) for c in resp.choices)
@@ -92,7 +126,12 @@ async def _drive(control: str, num_seqs: int, steps: int, seed: int) -> None:
             await ch.close()
 
 
-def measure(num_seqs: int, steps: int, stream_interval: int = 1, seed: int = 0) -> dict[str, Any]:
+_DRIVERS = {"generate_many": _drive_many, "generate": _drive_calls}
+
+
+def measure(
+    num_seqs: int, steps: int, stream_interval: int = 1, api: str = "generate_many", seed: int = 0
+) -> dict[str, Any]:
     kport, cport = free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +145,7 @@ def measure(num_seqs: int, steps: int, stream_interval: int = 1, seed: int = 0) 
             args += ["--stream-interval", str(stream_interval)]
             with child(args, control):
                 started = time.perf_counter()
-                asyncio.run(_drive(control, num_seqs, steps, seed))
+                asyncio.run(_DRIVERS[api](control, num_seqs, steps, seed))
                 wall = time.perf_counter() - started
         finally:
             stop_process(harness)
@@ -115,6 +154,7 @@ def measure(num_seqs: int, steps: int, stream_interval: int = 1, seed: int = 0) 
     assert steady, f"no step ran with {num_seqs} sequences"
     ms = [g * 1000 for g in steady]
     return {
+        "api": api,
         "running_sequences": num_seqs,
         "stream_interval": stream_interval,
         "steps_measured": len(ms),
@@ -150,7 +190,9 @@ class _Wire:
         pass
 
 
-def breakdown(num_seqs: int, steps: int, stream_interval: int = 1) -> dict[str, float]:
+def breakdown(
+    num_seqs: int, steps: int, stream_interval: int = 1, api: str = "generate_many"
+) -> dict[str, float]:
     """Mean ms per step of each part of the control plane's step loop, in one process."""
 
     async def run() -> dict[str, float]:
@@ -162,7 +204,10 @@ def breakdown(num_seqs: int, steps: int, stream_interval: int = 1) -> dict[str, 
         sched = engine.scheduler
         assert sched is not None
         params = pb.GenerationParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
-        streams = [engine.submit([100 + i % 20000] * 16, params) for i in range(num_seqs)]
+        outbox = CallOutbox() if api == "generate_many" else None
+        streams = [
+            engine.submit([100 + i % 20000] * 16, params, outbox, str(i)) for i in range(num_seqs)
+        ]
         parts = dict.fromkeys(("schedule", "build_step", "wire", "update", "outputs"), 0.0)
         clock = time.perf_counter
         for i in range(steps + 4):  # the first steps admit the prompts
@@ -180,9 +225,13 @@ def breakdown(num_seqs: int, steps: int, stream_interval: int = 1) -> dict[str, 
             engine._emit(result, sampled)
             engine._observe_pool()
             t5 = clock()
-            for st in streams:  # what the Generate coroutines would take
-                while not st.queue.empty():
-                    st.queue.get_nowait()
+            if outbox is not None:  # what the GenerateMany call's writer takes
+                if outbox.message.responses:
+                    await outbox.take()
+            else:
+                for st in streams:  # what the Generate coroutines would take
+                    while not st.queue.empty():
+                        st.queue.get_nowait()
             if i >= 4:
                 assert len(sched.running) == num_seqs
                 for key, dt in zip(
@@ -204,16 +253,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--stream-intervals", default="1,16", help="control plane --stream-interval values"
     )
+    ap.add_argument(
+        "--apis",
+        default="generate_many,generate",
+        help="how the client streams: generate_many (one call for all, as the gateway does) "
+        "or generate (a call per request)",
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/overhead.json"))
     args = ap.parse_args(argv)
     report: dict[str, Any] = {"benchmark": "control-plane overhead", "machine": machine()}
     report["results"] = []
-    for interval in (int(x) for x in args.stream_intervals.split(",")):
-        for n in (int(x) for x in args.seqs.split(",")):
-            r = measure(n, args.steps, interval)
-            r["in_process"] = breakdown(n, args.steps, interval)
-            report["results"].append(r)
-            print(json.dumps(r))
+    for api in args.apis.split(","):
+        for interval in (int(x) for x in args.stream_intervals.split(",")):
+            for n in (int(x) for x in args.seqs.split(",")):
+                r = measure(n, args.steps, interval, api)
+                r["in_process"] = breakdown(n, args.steps, interval, api)
+                report["results"].append(r)
+                print(json.dumps(r))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"report: {args.out}")

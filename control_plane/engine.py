@@ -23,7 +23,7 @@ from control_plane.compute_client import (
 )
 from control_plane.config import ControlConfig
 from control_plane.detokenizer import IncrementalDetokenizer
-from control_plane.outputs import Choice, GenerateStream
+from control_plane.outputs import Choice, GenerateStream, Outbox
 from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
 from control_plane.stop import StopChecker
@@ -130,8 +130,18 @@ class ControlEngine:
         self._per_token = _PerTokenMetrics(self.labels)
 
     # --------------------------------------------------------------- intake
-    def submit(self, prompt_ids: list[int], params: pb.GenerationParams) -> GenerateStream:
-        """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable."""
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: pb.GenerationParams,
+        outbox: Outbox | None = None,
+        client_id: str = "",
+    ) -> GenerateStream:
+        """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable.
+
+        Its responses go to the stream's queue, or with `outbox` into that GenerateMany
+        call's next message under `client_id`.
+        """
         sched = self.scheduler
         if self.draining:
             raise ComputeUnavailable("the control plane is shutting down")
@@ -165,7 +175,9 @@ class ControlEngine:
             self.description.eos_token_ids if self.description else ()
         )
         stream_id = uuid.uuid4().hex
-        stream = GenerateStream(stream_id, list(prompt_ids), [], self.tokenizer)
+        stream = GenerateStream(
+            stream_id, list(prompt_ids), [], self.tokenizer, outbox=outbox, client_id=client_id
+        )
         for i in range(n):
             sampling = cpb.SamplingParams(
                 temperature=params.temperature,
@@ -216,9 +228,9 @@ class ControlEngine:
             self.choices[c.request.request_id] = (stream, c)
         # The first message says "admitted" at once, before any token: a gateway can then
         # send its HTTP head knowing the request was not refused.
-        stream.queue.put_nowait(
-            pb.GenerateResponse(request_id=stream_id, prompt_token_ids=prompt_ids)
-        )
+        admitted = stream.new_response()
+        admitted.prompt_token_ids.extend(prompt_ids)
+        stream.send(admitted)
         self._wake.set()
         return stream
 
@@ -382,10 +394,7 @@ class ControlEngine:
             if len(pending) < interval and req.status is running and choice.sent:
                 continue
             if (out := touched.get(stream.stream_id)) is None:
-                out = touched[stream.stream_id] = (
-                    stream,
-                    pb.GenerateResponse(request_id=stream.stream_id),
-                )
+                out = touched[stream.stream_id] = (stream, stream.new_response())
             delta, matched = stream.token_delta(choice, pending, out[1])
             pending.clear()
             choice.pending_logprobs.clear()
@@ -404,11 +413,11 @@ class ControlEngine:
         for value, count in itl.items():
             metrics.observe_many(self._per_token.itl, value, count)
         for stream, resp in touched.values():
-            if stream.done:
+            if ended := stream.done:
                 self._observe_finished(stream)
                 resp.usage.CopyFrom(stream.usage())
                 self.streams.pop(stream.stream_id, None)
-            stream.queue.put_nowait(resp)
+            stream.send(resp, ended)
 
     def _observe_finished(self, stream: GenerateStream) -> None:
         now = time.monotonic()
@@ -453,7 +462,7 @@ class ControlEngine:
                 sched.add_request(req, fork_of=parent)
             except (AdmissionError, QueueFullError) as e:
                 stream = entry[0]
-                stream.queue.put_nowait(e)
+                stream.fail(e)
                 self.abort(stream)
         if parked:
             log.info("re-admitted %d requests after reattaching", len(parked))
@@ -461,7 +470,7 @@ class ControlEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for stream in list(self.streams.values()):
-            stream.queue.put_nowait(ComputeUnavailable(f"compute plane lost: {error}"))
+            stream.fail(ComputeUnavailable(f"compute plane lost: {error}"))
         self.streams.clear()
         self.choices.clear()
         self._parked = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.request import Request, Status
@@ -35,9 +36,33 @@ class Choice:
     pending_logprobs: list[cpb.TokenResult] = field(default_factory=list)
 
 
+class Outbox(Protocol):
+    """Where the messages of a GenerateMany call's requests gather until the next write.
+
+    A step adds its responses to the outbox as it builds them, so all of a call's
+    requests go out in one message per step rather than one each.
+    """
+
+    def add(self, request_id: str) -> pb.GenerateResponse:
+        """A new response of `request_id`, part of the next message: fill it in place."""
+        ...
+
+    def sent(self, request_id: str, last: bool) -> None:
+        """The response from `add` is complete; `last`: the request has ended."""
+        ...
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """The request is refused or failed; it ends with this error."""
+        ...
+
+
 @dataclass(eq=False)
 class GenerateStream:
-    """One Generate call: its choices and the queue its responses go through."""
+    """One generate request (n choices) and where its responses go.
+
+    A Generate call reads them from `queue`, one message each; a request of a
+    GenerateMany call writes them into its call's `outbox` under `client_id`.
+    """
 
     stream_id: str
     prompt_token_ids: list[int]
@@ -47,10 +72,31 @@ class GenerateStream:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    outbox: Outbox | None = None
+    client_id: str = ""
 
     @property
     def done(self) -> bool:
         return all(c.finished for c in self.choices)
+
+    def new_response(self) -> pb.GenerateResponse:
+        """An empty response of this request to fill in, then hand to `send`."""
+        if self.outbox is None:
+            return pb.GenerateResponse(request_id=self.stream_id)
+        return self.outbox.add(self.client_id)
+
+    def send(self, resp: pb.GenerateResponse, last: bool = False) -> None:
+        if self.outbox is None:
+            self.queue.put_nowait(resp)
+        else:
+            self.outbox.sent(self.client_id, last)
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with an error (the compute plane is gone, it no longer fits)."""
+        if self.outbox is None:
+            self.queue.put_nowait(error)
+        else:
+            self.outbox.fail(self.client_id, error)
 
     def token_delta(
         self, choice: Choice, tokens: list[int], resp: pb.GenerateResponse

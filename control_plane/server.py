@@ -21,6 +21,7 @@ import prometheus_client
 from control_plane.chat_template import ChatTemplateError
 from control_plane.config import ControlConfig
 from control_plane.engine import ComputeUnavailable, ControlEngine
+from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError, QueueFullError
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
 from hetero_infer.grpc_health import HealthReporter
@@ -42,6 +43,46 @@ _STATUS = {
 
 def status_for(e: BaseException) -> grpc.StatusCode | None:
     return next((code for kind, code in _STATUS.items() if isinstance(e, kind)), None)
+
+
+class CallOutbox:
+    """The next message of one GenerateMany call, filled in place as steps produce it.
+
+    A step's responses are built straight into `message`; the call's writer takes the
+    message whole when it wakes, so everything one step produced goes out together.
+    """
+
+    def __init__(self) -> None:
+        self.message = pb.GenerateManyResponse()
+        self.ended: list[str] = []  # requests whose last message is in `message`
+        self._ready = asyncio.Event()
+
+    def add(self, request_id: str) -> pb.GenerateResponse:
+        return self.message.responses.add(request_id=request_id)
+
+    def sent(self, request_id: str, last: bool) -> None:
+        if last:
+            self.ended.append(request_id)
+        self._ready.set()
+
+    def fail(self, request_id: str, error: BaseException, end: bool = True) -> None:
+        """`end` False: a start refused for its request_id, which names another request."""
+        code = status_for(error) or grpc.StatusCode.INTERNAL
+        self.message.errors.add(request_id=request_id, code=code.name, message=str(error))
+        if end:
+            self.ended.append(request_id)
+        self._ready.set()
+
+    def wake(self) -> None:
+        self._ready.set()
+
+    async def take(self) -> tuple[pb.GenerateManyResponse, list[str]]:
+        """Wait for something to send; return it and the requests it ends."""
+        await self._ready.wait()
+        self._ready.clear()
+        message, ended = self.message, self.ended
+        self.message, self.ended = pb.GenerateManyResponse(), []
+        return message, ended
 
 
 class ControlServicer(pb_grpc.ControlPlaneServicer):
@@ -107,6 +148,78 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                     return
         finally:
             self.engine.abort(stream)  # no-op when finished; frees blocks when cancelled
+
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[pb.GenerateManyRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.GenerateManyResponse]:
+        outbox = CallOutbox()
+        running: dict[str, GenerateStream] = {}  # client request id -> its stream
+        starting: set[str] = set()  # being tokenised
+        tasks: set[asyncio.Task[None]] = set()
+        reading = True
+
+        async def start(request: pb.GenerateRequest) -> None:
+            rid = request.request_id
+            try:
+                prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+                if rid not in starting:
+                    return  # cancelled while tokenising
+                running[rid] = self.engine.submit(
+                    prompt_ids, request.params, outbox=outbox, client_id=rid
+                )
+            except Exception as e:
+                if status_for(e) is None:
+                    log.exception("GenerateMany request %s failed", rid)
+                outbox.fail(rid, e)
+            finally:
+                starting.discard(rid)
+                outbox.wake()  # the call may be waiting for its last request to end
+
+        async def read() -> None:
+            nonlocal reading
+            try:
+                async for msg in request_iterator:
+                    which = msg.WhichOneof("action")
+                    if which == "start":
+                        rid = msg.start.request_id
+                        if not rid or rid in running or rid in starting:
+                            outbox.fail(
+                                rid,
+                                AdmissionError(
+                                    f"request_id {rid!r}: GenerateMany needs a request_id that "
+                                    "no unfinished request of this call has"
+                                ),
+                                end=False,
+                            )
+                            continue
+                        starting.add(rid)
+                        task = asyncio.create_task(start(msg.start))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    elif which == "cancel":
+                        starting.discard(msg.cancel)
+                        if (stream := running.pop(msg.cancel, None)) is not None:
+                            self.engine.abort(stream)
+            finally:
+                reading = False
+                outbox.wake()
+
+        reader = asyncio.create_task(read())
+        try:
+            while reading or running or starting:
+                message, ended = await outbox.take()
+                for rid in ended:
+                    running.pop(rid, None)
+                if message.responses or message.errors:
+                    yield message
+        finally:
+            reader.cancel()
+            for task in tasks:
+                task.cancel()
+            for stream in running.values():
+                self.engine.abort(stream)  # the client went away: free the blocks now
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -31,6 +31,7 @@ from gateway.generation import (
     start_stream,
 )
 from gateway.metrics import instrument
+from gateway.multiplex import Multiplexer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -43,6 +44,7 @@ class ControlLink:
         self.config = config
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.ControlPlaneStub | None = None
+        self.mux = Multiplexer(self.open)  # every generate call goes over its one stream
         self._model: str | None = config.served_model_name
         tls = config.control_tls
         # Read the certificates now: a bad path stops the gateway at start-up.
@@ -234,7 +236,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
             stream = await _cancel_on_disconnect(
-                request, start_stream(stub, calls, config.request_timeout)
+                request, start_stream(link.mux, calls, config.request_timeout)
             )
 
             async def events() -> AsyncIterator[bytes]:
@@ -290,7 +292,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect() -> dict[str, Any]:
-            states, usage, prompt_ids = await collect_calls(stub, calls, config.request_timeout)
+            states, usage, prompt_ids = await collect_calls(link.mux, calls, config.request_timeout)
             echo = await prefixes(prompt_ids)
             choices = []
             for idx in sorted(states):
@@ -317,7 +319,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = await link.model_name()
         check_model(body.model, model)
-        stub = link.open()
         calls = [chat_call(body)]
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -337,7 +338,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = await _cancel_on_disconnect(
-                request, start_stream(stub, calls, config.request_timeout)
+                request, start_stream(link.mux, calls, config.request_timeout)
             )
 
             async def events() -> AsyncIterator[bytes]:
@@ -384,7 +385,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         async def collect() -> dict[str, Any]:
-            states, usage, _ = await collect_calls(stub, calls, config.request_timeout)
+            states, usage, _ = await collect_calls(link.mux, calls, config.request_timeout)
             return {
                 "id": rid,
                 "object": "chat.completion",
@@ -407,6 +408,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.on_event("shutdown")
     async def _close() -> None:
+        await link.mux.close()
         if link.channel is not None:
             await link.channel.close()
 

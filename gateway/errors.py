@@ -52,8 +52,15 @@ class APIError(Exception):
 
 
 def from_grpc(e: grpc.aio.AioRpcError) -> APIError:
-    status, kind = _GRPC_TO_HTTP.get(e.code(), (500, "internal_error"))
-    param = "messages" if "chat" in (e.details() or "") else None
-    return APIError(
-        status, e.details() or e.code().name, type=kind, param=param, code=e.code().name.lower()
-    )
+    return _from_status(e.code(), e.details())
+
+
+def from_code(name: str, message: str) -> APIError:
+    """A GenerateMany request's error: its gRPC status code by name, and message."""
+    return _from_status(getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN), message)
+
+
+def _from_status(code: grpc.StatusCode, details: str | None) -> APIError:
+    status, kind = _GRPC_TO_HTTP.get(code, (500, "internal_error"))
+    param = "messages" if "chat" in (details or "") else None
+    return APIError(status, details or code.name, type=kind, param=param, code=code.name.lower())

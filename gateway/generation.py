@@ -1,4 +1,7 @@
-"""Turn OpenAI requests into control-plane Generate calls and collect their outputs."""
+"""Turn OpenAI requests into control-plane generate calls and collect their outputs.
+
+The calls go over the gateway's one GenerateMany stream (gateway.multiplex).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.errors import APIError, from_grpc
+from gateway.multiplex import Item, Multiplexer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -91,31 +95,29 @@ StreamItem = tuple[list[Delta], pb.Usage | None, list[list[int]] | None]
 
 
 async def stream_calls(
-    stub: pb_grpc.ControlPlaneStub, calls: list[pb.GenerateRequest], timeout: float
+    mux: Multiplexer, calls: list[pb.GenerateRequest], timeout: float
 ) -> AsyncGenerator[StreamItem, None]:
     """Run the calls concurrently; yield (deltas, usage when all are done, prompt ids when known).
 
-    Cancelling the consumer cancels every gRPC call (the control plane then frees blocks).
+    Past `timeout` seconds the calls end with a 504. Closing or cancelling the consumer
+    cancels every call that has not ended (the control plane then frees its blocks).
     """
     n = calls[0].params.n or 1
-    queue: asyncio.Queue[tuple[int, pb.GenerateResponse] | BaseException | None] = asyncio.Queue()
-    rpcs = [stub.Generate(c, timeout=timeout) for c in calls]
-
-    async def pump(i: int, rpc: grpc.aio.UnaryStreamCall) -> None:
-        try:
-            async for resp in rpc:
-                await queue.put((i, resp))
-            await queue.put(None)
-        except grpc.aio.AioRpcError as e:
-            await queue.put(from_grpc(e))
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(rpcs)]
+    queue: asyncio.Queue[Item] = asyncio.Queue()
+    ids = mux.start(calls, queue)
+    deadline = asyncio.get_running_loop().time() + timeout
     prompt_ids: list[list[int]] = [[] for _ in calls]
     usage = pb.Usage()
     done = 0
     try:
         while done < len(calls):
-            item = await queue.get()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await queue.get()
+            except TimeoutError:
+                raise APIError(
+                    504, "Deadline Exceeded", type="timeout", code="deadline_exceeded"
+                ) from None
             if item is None:
                 done += 1
                 continue
@@ -133,14 +135,11 @@ async def stream_calls(
             yield deltas, None, (prompt_ids if first and all(prompt_ids) else None)
         yield [], usage, None
     finally:
-        for r in rpcs:
-            r.cancel()
-        for t in tasks:
-            t.cancel()
+        mux.cancel(ids)
 
 
 async def start_stream(
-    stub: pb_grpc.ControlPlaneStub, calls: list[pb.GenerateRequest], timeout: float
+    mux: Multiplexer, calls: list[pb.GenerateRequest], timeout: float
 ) -> AsyncIterator[StreamItem]:
     """`stream_calls`, returned once every call is admitted.
 
@@ -148,7 +147,7 @@ async def start_stream(
     (full queue, prompt too long, no compute plane) raise here, before the HTTP head is
     sent, and reach the client as a 4xx/5xx status rather than as an SSE error event.
     """
-    gen = stream_calls(stub, calls, timeout)
+    gen = stream_calls(mux, calls, timeout)
     head: list[StreamItem] = []
     try:
         async for item in gen:
@@ -190,13 +189,13 @@ def check_model(requested: str, served: str) -> None:
 
 
 async def collect_calls(
-    stub: pb_grpc.ControlPlaneStub, calls: list[pb.GenerateRequest], timeout: float
+    mux: Multiplexer, calls: list[pb.GenerateRequest], timeout: float
 ) -> tuple[dict[int, ChoiceState], pb.Usage, list[list[int]]]:
     """Run the calls to the end: each choice's text, logprobs and finish reason, usage, prompts."""
     states: dict[int, ChoiceState] = {}
     usage = pb.Usage()
     prompts: list[list[int]] = [[] for _ in calls]
-    async for deltas, u, prompt_ids in stream_calls(stub, calls, timeout):
+    async for deltas, u, prompt_ids in stream_calls(mux, calls, timeout):
         if prompt_ids is not None:
             prompts = prompt_ids
         for d in deltas:

@@ -39,6 +39,11 @@ class ControlPlaneStub:
                 request_serializer=hetero__proto_dot_control__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=hetero__proto_dot_control__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/hetero.control.v1.ControlPlane/GenerateMany',
+                request_serializer=hetero__proto_dot_control__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=hetero__proto_dot_control__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/hetero.control.v1.ControlPlane/Tokenize',
                 request_serializer=hetero__proto_dot_control__pb2.TokenizeRequest.SerializeToString,
@@ -62,6 +67,17 @@ class ControlPlaneServicer:
     def Generate(self, request, context):
         """Streams text / token deltas for every choice (n > 1 gives several indices),
         then a final message with finish reasons and usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many Generate calls on one stream, as a gateway makes them. The client starts and
+        cancels requests; the control plane answers with one message per step that holds
+        every message its requests produced in that step: the same GenerateResponses that
+        Generate would stream, keyed by the client's request_id. 256 running requests cost
+        one message a step instead of 256. Ending the call aborts its unfinished requests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -92,6 +108,11 @@ def add_ControlPlaneServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=hetero__proto_dot_control__pb2.GenerateRequest.FromString,
                     response_serializer=hetero__proto_dot_control__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=hetero__proto_dot_control__pb2.GenerateManyRequest.FromString,
+                    response_serializer=hetero__proto_dot_control__pb2.GenerateManyResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
@@ -136,6 +157,33 @@ class ControlPlane:
             '/hetero.control.v1.ControlPlane/Generate',
             hetero__proto_dot_control__pb2.GenerateRequest.SerializeToString,
             hetero__proto_dot_control__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hetero.control.v1.ControlPlane/GenerateMany',
+            hetero__proto_dot_control__pb2.GenerateManyRequest.SerializeToString,
+            hetero__proto_dot_control__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import random
 import subprocess
 import sys
@@ -223,3 +224,115 @@ def test_stream_interval_sends_every_n_tokens_and_cuts_at_stop(alone, stub) -> N
             # Greedy: the sampled token is the most likely one.
             assert all(lp.top_logprobs[0].token_id == lp.token_id for lp in lps)
             assert all(lp.logprob == pytest.approx(lp.top_logprobs[0].logprob) for lp in lps)
+
+
+class _ManyCall:
+    """A GenerateMany call driven from a test: send starts and cancels, read messages."""
+
+    def __init__(self, stub: pb_grpc.ControlPlaneStub) -> None:
+        self._out: queue.Queue[pb.GenerateManyRequest | None] = queue.Queue()
+        self.call = stub.GenerateMany(iter(self._out.get, None), timeout=300)
+
+    def start(self, rid: str, request: pb.GenerateRequest) -> None:
+        start = pb.GenerateManyRequest(start=request)
+        start.start.request_id = rid
+        self._out.put(start)
+
+    def cancel(self, rid: str) -> None:
+        self._out.put(pb.GenerateManyRequest(cancel=rid))
+
+    def close(self) -> None:
+        self._out.put(None)
+
+    def read(self) -> pb.GenerateManyResponse:
+        return next(self.call)  # type: ignore[no-any-return]
+
+
+def test_generate_many_interleaves_requests_on_one_call(stub, alone) -> None:  # type: ignore[no-untyped-def]
+    """Sixteen requests on one GenerateMany call: each gets what Generate gives it alone,
+    with its messages in Generate's order, and a step's deltas share one message."""
+    many = _ManyCall(stub)
+    prompts = _prompts()
+    for i, p in enumerate(prompts):
+        many.start(f"r{i}", greedy(p, MAX_TOKENS))
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    admitted: set[str] = set()
+    ended: set[str] = set()
+    messages = responses = 0
+    while len(ended) < len(prompts):
+        msg = many.read()
+        assert not msg.errors, msg.errors
+        messages += 1
+        for resp in msg.responses:
+            responses += 1
+            rid = resp.request_id
+            assert rid not in ended, f"{rid}: a message after its last"
+            if resp.prompt_token_ids:
+                assert rid not in admitted and not tokens[rid]  # admission comes first, once
+                admitted.add(rid)
+                assert list(resp.prompt_token_ids) == prompts[int(rid[1:])]
+            else:
+                assert rid in admitted
+            for c in resp.choices:
+                tokens[rid].extend(c.token_ids)
+                assert bool(c.finish_reason) == (len(tokens[rid]) == MAX_TOKENS)
+            if resp.HasField("usage"):
+                assert resp.usage.completion_tokens == MAX_TOKENS
+                ended.add(rid)
+    many.close()
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == alone
+    # 16 admissions + 16 x 20 tokens; sent a message per response, this would be 336.
+    assert responses == len(prompts) * (MAX_TOKENS + 1)
+    assert messages < responses // 2, (messages, responses)
+    st = _wait_pool_full(stub, 2.0)
+    assert st.integrity_ok, st.integrity_error
+    assert st.num_free_kv_blocks == st.num_usable_kv_blocks
+
+
+def test_generate_many_errors_and_cancels_touch_only_their_request(stub, alone) -> None:  # type: ignore[no-untyped-def]
+    info = stub.ModelInfo(pb.ModelInfoRequest())
+    many = _ManyCall(stub)
+    many.start("long", greedy(list(range(200, 460)), 500))
+    many.start("good", greedy(_prompts()[0], MAX_TOKENS))
+    many.start("bad", greedy([info.vocab_size + 5], 4))
+    many.start("too-long", greedy([300] * 10, info.max_model_len))
+    many.start("good", greedy([5], 4))  # the id of an unfinished request
+    many.start("", greedy([5], 4))
+    errors: dict[str, pb.RequestError] = {}
+    tokens: list[int] = []
+    cancelled = False
+    long_after_cancel = 0
+    while len(tokens) < MAX_TOKENS or not cancelled or len(errors) < 4:
+        msg = many.read()
+        for e in msg.errors:
+            assert e.request_id not in errors or e.request_id == "good"
+            errors.setdefault(e.request_id, e)
+        for resp in msg.responses:
+            if resp.request_id == "good":
+                tokens.extend(t for c in resp.choices for t in c.token_ids)
+            elif resp.request_id == "long" and resp.choices:
+                if cancelled:
+                    long_after_cancel += 1
+                elif stub.ModelInfo(pb.ModelInfoRequest()).stats.num_running >= 1:
+                    many.cancel("long")
+                    cancelled = True
+    assert tokens == alone[0]
+    assert set(errors) == {"bad", "too-long", "good", ""}
+    assert {e.code for e in errors.values()} == {"INVALID_ARGUMENT"}
+    assert str(info.vocab_size - 1) in errors["bad"].message
+    assert str(info.max_model_len) in errors["too-long"].message
+    assert "request_id" in errors["good"].message
+    # A cancel takes effect within the step in flight: at most one message more.
+    assert long_after_cancel <= 1
+    st = _wait_pool_full(stub, 2.0)
+    assert st.num_free_kv_blocks == st.num_usable_kv_blocks and st.num_running == 0
+
+    # Ending the call aborts what it still runs.
+    many.start("left", greedy(list(range(200, 460)), 500))
+    while not many.read().responses:
+        pass
+    many.call.cancel()
+    st = _wait_pool_full(stub, 2.0)
+    assert st.num_free_kv_blocks == st.num_usable_kv_blocks
+    assert st.integrity_ok, st.integrity_error
+    assert st.num_running == 0 and st.num_waiting == 0

@@ -1,0 +1,129 @@
+"""One GenerateMany call to the control plane that carries every request of this gateway.
+
+The control plane then sends one message per step for all of them, where a Generate
+call per request would cost it a message per request per step. Each HTTP request
+registers its generate calls here and reads their responses from its own queue.
+
+    mux = Multiplexer(stub_factory)
+    ids = mux.start(calls, queue)   # queue gets (call index, GenerateResponse), an
+                                    # APIError, or None when a call has ended
+    mux.cancel(ids)                 # the control plane aborts them and frees their blocks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.errors import APIError, from_code, from_grpc
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+Item = tuple[int, pb.GenerateResponse] | BaseException | None
+
+
+@dataclass(slots=True)
+class _Route:
+    queue: asyncio.Queue[Item]
+    index: int  # the call's position in its HTTP request
+
+
+class Multiplexer:
+    """Routes the responses of one long-lived GenerateMany call to per-request queues.
+
+    The call opens on first use and again after it breaks: a broken call (the control
+    plane restarted, the connection dropped) ends every request on it with 503, and
+    the next request opens a new one.
+    """
+
+    def __init__(self, stub: Callable[[], pb_grpc.ControlPlaneStub]) -> None:
+        self._stub = stub
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._outgoing: asyncio.Queue[pb.GenerateManyRequest] | None = None
+        self._routes: dict[str, _Route] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self, calls: list[pb.GenerateRequest], queue: asyncio.Queue[Item]) -> list[str]:
+        """Send the calls; their responses go to `queue`. Returns their request ids."""
+        outgoing = self._open()
+        ids = []
+        for i, call in enumerate(calls):
+            rid = uuid.uuid4().hex
+            start = pb.GenerateManyRequest(start=call)
+            start.start.request_id = rid
+            self._routes[rid] = _Route(queue, i)
+            outgoing.put_nowait(start)
+            ids.append(rid)
+        return ids
+
+    def cancel(self, ids: list[str]) -> None:
+        """Abort those of `ids` that have not ended; they get no further message."""
+        for rid in ids:
+            if self._routes.pop(rid, None) is not None and self._outgoing is not None:
+                self._outgoing.put_nowait(pb.GenerateManyRequest(cancel=rid))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self._call is not None:
+            self._call.cancel()
+        self._call = self._outgoing = None
+
+    # ------------------------------------------------------------------ the call
+    def _open(self) -> asyncio.Queue[pb.GenerateManyRequest]:
+        if self._outgoing is not None:
+            return self._outgoing
+        call = self._stub().GenerateMany()
+        outgoing: asyncio.Queue[pb.GenerateManyRequest] = asyncio.Queue()
+        self._call, self._outgoing, self._routes = call, outgoing, {}
+        self._tasks = [
+            asyncio.create_task(self._write(call, outgoing), name="generate-many-write"),
+            asyncio.create_task(self._read(call, self._routes), name="generate-many-read"),
+        ]
+        return outgoing
+
+    async def _write(
+        self, call: grpc.aio.StreamStreamCall, outgoing: asyncio.Queue[pb.GenerateManyRequest]
+    ) -> None:
+        try:
+            while True:
+                await call.write(await outgoing.get())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            call.cancel()  # the reader sees the call end and fails its requests
+
+    async def _read(self, call: grpc.aio.StreamStreamCall, routes: dict[str, _Route]) -> None:
+        error = APIError(503, "the control plane ended the stream", type="service_unavailable")
+        try:
+            while (message := await call.read()) is not grpc.aio.EOF:
+                assert isinstance(message, pb.GenerateManyResponse)
+                for resp in message.responses:
+                    route = routes.get(resp.request_id)
+                    if route is None:
+                        continue  # cancelled here while the message was on its way
+                    route.queue.put_nowait((route.index, resp))
+                    if resp.HasField("usage"):
+                        del routes[resp.request_id]
+                        route.queue.put_nowait(None)
+                for e in message.errors:
+                    if (route := routes.pop(e.request_id, None)) is not None:
+                        route.queue.put_nowait(from_code(e.code, e.message))
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                error = from_grpc(e)
+                log.warning("GenerateMany call to the control plane ended: %s", e.code().name)
+        finally:
+            if self._call is call:
+                self._call = self._outgoing = None
+                for task in self._tasks:
+                    if task is not asyncio.current_task():
+                        task.cancel()
+            for route in routes.values():
+                route.queue.put_nowait(error)
+            routes.clear()
