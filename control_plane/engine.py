@@ -346,7 +346,8 @@ class ControlEngine:
                 block_ids=s.block_ids,
                 sampling=r.sampling,
             )
-        decode_ids = []  # one token in the blocks it holds: the id alone says it
+        # One token in the blocks it holds: the id alone says it.
+        decode_ids = [r.request_id for r in out.decodes]
         for c in out.continuing:
             if c.num_scheduled_tokens == 1 and not c.new_block_ids:
                 decode_ids.append(c.request.request_id)

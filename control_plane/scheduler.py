@@ -49,15 +49,20 @@ class ContinuingScheduled:
 class SchedulerOutput:
     new: list[NewScheduled] = field(default_factory=list)
     continuing: list[ContinuingScheduled] = field(default_factory=list)
+    # Requests the compute plane holds that compute one token in the blocks they hold:
+    # the steady decode, which needs no record of its own (the compute plane gets ids).
+    decodes: list[Request] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # the compute plane drops these first
     num_tokens: int = 0
 
     @property
     def empty(self) -> bool:
-        return not (self.new or self.continuing or self.finished_ids)
+        return not (self.new or self.continuing or self.decodes or self.finished_ids)
 
     def scheduled(self) -> list[tuple[Request, int]]:
-        pairs = [(s.request, s.num_scheduled_tokens) for s in self.new]
+        """Every scheduled request with its token count: decodes, then new, then continuing."""
+        pairs = [(r, 1) for r in self.decodes]
+        pairs += [(s.request, s.num_scheduled_tokens) for s in self.new]
         return pairs + [(s.request, s.num_scheduled_tokens) for s in self.continuing]
 
 
@@ -151,16 +156,32 @@ class Scheduler:
             elif left > 1:
                 prefills.append(r)
         allocate = self.block_manager.allocate
+        num_slots = self.block_manager.num_slots
+        in_blocks = out.decodes
         running = Status.RUNNING
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status is not running:
                 continue  # preempted earlier in this loop
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            n = len(req.token_ids) - req.num_computed_tokens
+            if (
+                n == 1
+                and req.sent_to_compute
+                and req.num_computed_tokens < num_slots[req.request_id]
+            ):
+                in_blocks.append(req)  # the next token's slot is in a block it holds
+                budget -= 1
+                continue
+            if n > budget:
+                n = budget
             while (new_ids := allocate(req, n)) is None:
                 victim = self.running[-1]
-                budget += planned.pop(victim, ([], 0))[1]
+                if victim in planned:
+                    budget += planned.pop(victim)[1]
+                elif victim is not req and victim in in_blocks:
+                    in_blocks.remove(victim)
+                    budget += 1
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -216,14 +237,18 @@ class Scheduler:
         """Apply a step's result: advance progress, append sampled tokens, finish requests."""
         finished = []
         cache_computed = self.block_manager.cache_computed
+        bs = self.block_manager.block_size
         forks = self.pending_forks
         running = Status.RUNNING
         max_model_len = self.max_model_len
         for req, n in out.scheduled():
             if req.status is not running:
                 continue  # aborted while the step was in flight
-            req.num_computed_tokens += n
-            cache_computed(req)
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
+            # One token fills a block only at a block boundary; cache_computed catches
+            # up from where it last stopped, so skipping the calls in between loses nothing.
+            if n > 1 or computed % bs == 0:
+                cache_computed(req)
             if (
                 forks
                 and req.request_id in forks

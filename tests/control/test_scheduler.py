@@ -230,3 +230,59 @@ def test_aborting_the_first_choice_releases_its_siblings() -> None:
     assert list(sched.waiting) == [sib]
     sched.abort("c1")
     assert not sched.has_work or sched.schedule().finished_ids == []
+
+
+def _decode_behind_prefill(num_blocks: int, budget: int, p_first_chunk: int) -> Scheduler:
+    """D decodes in its one block; P, still prefilling, is ahead of D in admission order.
+
+    Admission order puts a prefill behind the decodes admitted before it; the running
+    list is reordered by hand so that the preemption victim (the last admitted, D) is
+    planned earlier in the step than the request that needs a block (P).
+    """
+    sched = Scheduler(
+        num_blocks=num_blocks, block_size=BS, max_model_len=64, max_num_batched_tokens=budget
+    )
+    d = Request("D", [1, 2, 3], max_tokens=10, ignore_eos=True)
+    p = Request("P", list(range(10, 22)), max_tokens=4, ignore_eos=True)
+    sched.add_request(d)
+    sched.add_request(p)
+    out = sched.schedule()
+    assert [(s.request.request_id, s.num_scheduled_tokens) for s in out.new] == [
+        ("D", 3),
+        ("P", p_first_chunk),
+    ]
+    sched.update(out, {"D": 7})
+    sched.running.reverse()
+    return sched
+
+
+def test_preempting_a_decode_planned_in_its_blocks_takes_it_out_of_the_step() -> None:
+    sched = _decode_behind_prefill(num_blocks=4, budget=8, p_first_chunk=5)
+    assert sched.block_manager.block_ids("D") == [1] and sched.block_manager.num_free_blocks == 0
+    out = sched.schedule()
+    # D fit in its block and was planned; P's chunk of 7 needed a third block: D gave its own.
+    assert out.decodes == [] and out.finished_ids == ["D"]
+    assert [
+        (c.request.request_id, c.new_block_ids, c.num_scheduled_tokens) for c in out.continuing
+    ] == [("P", [1], 7)]
+    assert out.num_tokens == 7 and out.new == []
+    assert sched.requests["D"].status is Status.WAITING and list(sched.waiting) == [
+        sched.requests["D"]
+    ]
+    sched.block_manager.check_integrity()
+
+
+def test_preempting_a_decode_that_got_a_block_this_step_returns_it() -> None:
+    sched = _decode_behind_prefill(num_blocks=4, budget=4, p_first_chunk=1)
+    out = sched.schedule()  # D decodes in its block, P computes 3 more in its own
+    assert out.decodes == [sched.requests["D"]] and out.num_tokens == 4
+    sched.update(out, {"D": 8})
+    out = sched.schedule()
+    # D's next token needs a new block (3); then P needs one too and none is free: D,
+    # the last admitted, is preempted, and its blocks go back, the empty one first.
+    assert out.decodes == [] and out.finished_ids == ["D"]
+    assert [
+        (c.request.request_id, c.new_block_ids, c.num_scheduled_tokens) for c in out.continuing
+    ] == [("P", [3], 3)]
+    assert out.num_tokens == 3
+    sched.block_manager.check_integrity()
