@@ -44,12 +44,25 @@ def make_workload(
     ]
 
 
+def _cpu_model() -> str:
+    """The processor's name (the development machine is not always the same one)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on, including how busy the machine was."""
     import torch
 
     info: dict[str, Any] = {
         "platform": platform.platform(),
+        "cpu": _cpu_model(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 
 from compute_plane.sampling_params import SamplingSpec
@@ -46,7 +47,7 @@ class ModelLimits:
 
 
 class _PerTokenMetrics:
-    """The labelled children of the metrics observed per token, looked up once.
+    """The labelled children of the metrics observed per token or per step, looked up once.
 
     `labels()` costs a lock and a dict lookup; at 256 running sequences the step loop
     would pay it 500 times a step.
@@ -56,6 +57,9 @@ class _PerTokenMetrics:
         self.generation_tokens = metrics.generation_tokens.labels(**labels)
         self.ttft = metrics.ttft.labels(**labels)
         self.itl = metrics.itl.labels(**labels)
+        self.running = metrics.requests_running.labels(**labels)
+        self.waiting = metrics.requests_waiting.labels(**labels)
+        self.kv_usage = metrics.kv_cache_usage.labels(**labels)
 
 
 class ControlEngine:
@@ -299,8 +303,8 @@ class ControlEngine:
                 await self._wake.wait()
                 continue
             out = sched.schedule(admit=not self._compute_draining)
-            self._observe_pool()
             if out.empty:
+                self._observe_pool()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -321,9 +325,10 @@ class ControlEngine:
             return
         m = self.labels
         bm = sched.block_manager
-        metrics.requests_running.labels(**m).set(len(sched.running))
-        metrics.requests_waiting.labels(**m).set(len(sched.waiting))
-        metrics.kv_cache_usage.labels(**m).set(bm.usage)
+        gauges = self._per_token
+        gauges.running.set(len(sched.running))
+        gauges.waiting.set(len(sched.waiting))
+        gauges.kv_usage.set(bm.usage)
         for key, now, counter in (
             ("preemptions", sched.num_preemptions, metrics.preemptions),
             ("queries", bm.prefix_queries, metrics.prefix_queries),
@@ -369,22 +374,21 @@ class ControlEngine:
         interval = self.config.stream_interval
         running = Status.RUNNING
         now = time.monotonic()
-        emitted = 0
-        itl: dict[float, int] = {}  # inter-token latency -> tokens that saw it
+        missing = 0
+        gaps: list[float] = []  # inter-token latencies seen by this step's tokens
         logprobs = {r.request_id: r for r in result.results} if result.results else None
         choices = self.choices
         for rid, token in sampled.items():
             entry = choices.get(rid)
             if entry is None:
+                missing += 1
                 continue  # aborted while the step ran
             stream, choice = entry
-            emitted += 1
-            if stream.first_token_time is None:
+            if (last := choice.last_token_time) is not None:
+                gaps.append(now - last)
+            elif stream.first_token_time is None:  # the stream's first token (any choice)
                 stream.first_token_time = now
                 self._per_token.ttft.observe(now - stream.arrival_time)
-            if (last := choice.last_token_time) is not None:
-                gap = now - last
-                itl[gap] = itl.get(gap, 0) + 1
             choice.last_token_time = now
             pending = choice.pending
             pending.append(token)
@@ -410,8 +414,8 @@ class ControlEngine:
                 self.choices.pop(req.request_id, None)
             if req.num_cached_tokens > 0 and choice.index == 0:
                 stream.num_cached_tokens = req.num_cached_tokens
-        self._per_token.generation_tokens.inc(emitted)
-        for value, count in itl.items():
+        self._per_token.generation_tokens.inc(len(sampled) - missing)
+        for value, count in Counter(gaps).items():
             metrics.observe_many(self._per_token.itl, value, count)
         for stream, resp in touched.values():
             if ended := stream.done:

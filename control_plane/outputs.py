@@ -74,10 +74,11 @@ class GenerateStream:
     first_token_time: float | None = None
     outbox: Outbox | None = None
     client_id: str = ""
+    num_finished: int = 0  # choices finished
 
     @property
     def done(self) -> bool:
-        return all(c.finished for c in self.choices)
+        return self.num_finished == len(self.choices)
 
     def new_response(self) -> pb.GenerateResponse:
         """An empty response of this request to fill in, then hand to `send`."""
@@ -136,6 +137,7 @@ class GenerateStream:
             tail, matched = choice.stop.feed(choice.detok.flush())
             delta.text += tail + (choice.stop.flush() if matched is None else "")
         choice.finished = True
+        self.num_finished += 1
         delta.finish_reason = FINISH_REASONS[status]
         reason = choice.request.stop_reason
         if isinstance(reason, str):

@@ -51,6 +51,12 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        # What can end a request, for a check per token that rarely calls stop_check:
+        # the tokens that may stop it, and its length at max_tokens.
+        self.stop_ids = self.stop_token_ids | (
+            frozenset() if self.ignore_eos else self.eos_token_ids
+        )
+        self.max_num_tokens = self.num_prompt_tokens + self.max_tokens
 
     @property
     def num_tokens(self) -> int:

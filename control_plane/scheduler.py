@@ -258,9 +258,14 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is None:
                 continue
-            req.token_ids.append(token)
-            status = req.stop_check(token, max_model_len)
-            if status is not None:
+            tokens = req.token_ids
+            tokens.append(token)
+            # Only a stop/EOS token or a length limit can end it: stop_check decides then.
+            if (
+                token in req.stop_ids
+                or len(tokens) >= req.max_num_tokens
+                or len(tokens) >= max_model_len
+            ) and (status := req.stop_check(token, max_model_len)) is not None:
                 self.finish(req.request_id, status)
                 finished.append(req)
         return finished

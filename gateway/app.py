@@ -52,10 +52,16 @@ class ControlLink:
 
     def open(self) -> pb_grpc.ControlPlaneStub:
         if self.stub is None:
+            # One GenerateMany message holds a step's output for every request, and the
+            # admission of many long prompts at once: past gRPC's 4 MB default it would
+            # end the call, and every request on it.
+            options = [("grpc.max_receive_message_length", -1)]
             if self._credentials is None:
-                self.channel = grpc.aio.insecure_channel(self.config.control)
+                self.channel = grpc.aio.insecure_channel(self.config.control, options=options)
             else:
-                self.channel = grpc.aio.secure_channel(self.config.control, self._credentials)
+                self.channel = grpc.aio.secure_channel(
+                    self.config.control, self._credentials, options=options
+                )
             self.stub = pb_grpc.ControlPlaneStub(self.channel)
         return self.stub
 

@@ -61,7 +61,12 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
     args = ["--seqs", "2", "--steps", "20", "--stream-intervals", "1,4"]
     report = overhead.main([*args, "--out", str(tmp_path / "o.json")])
     runs = report["results"]
-    assert [(r["running_sequences"], r["stream_interval"]) for r in runs] == [(2, 1), (2, 4)]
+    assert [(r["api"], r["running_sequences"], r["stream_interval"]) for r in runs] == [
+        ("generate_many", 2, 1),
+        ("generate_many", 2, 4),
+        ("generate", 2, 1),
+        ("generate", 2, 4),
+    ]
     for r in runs:
         assert r["steps_measured"] >= 10
         assert 0 < r["ms_per_step_p50"] <= r["ms_per_step_p99"]

@@ -32,4 +32,12 @@ def test_services_are_declared() -> None:
     run = compute.methods_by_name["Run"]
     assert run.client_streaming and run.server_streaming
     control = control_pb2.DESCRIPTOR.services_by_name["ControlPlane"]
-    assert {m.name for m in control.methods} == {"Generate", "Tokenize", "Detokenize", "ModelInfo"}
+    assert {m.name for m in control.methods} == {
+        "Generate",
+        "GenerateMany",
+        "Tokenize",
+        "Detokenize",
+        "ModelInfo",
+    }
+    many = control.methods_by_name["GenerateMany"]
+    assert many.client_streaming and many.server_streaming
