@@ -156,29 +156,33 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
     ) -> AsyncIterator[pb.GenerateManyResponse]:
         outbox = CallOutbox()
         running: dict[str, GenerateStream] = {}  # client request id -> its stream
-        starting: set[str] = set()  # being tokenised
+        starting: dict[str, object] = {}  # being tokenised: request id -> that start's token
         tasks: set[asyncio.Task[None]] = set()
         reading = True
+        broken: BaseException | None = None  # the reader failed: end the call
 
-        async def start(request: pb.GenerateRequest) -> None:
+        async def start(request: pb.GenerateRequest, token: object) -> None:
             rid = request.request_id
             try:
                 prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
-                if rid not in starting:
-                    return  # cancelled while tokenising
+                if starting.get(rid) is not token:
+                    return  # cancelled while tokenising (its id may have been reused since)
                 running[rid] = self.engine.submit(
                     prompt_ids, request.params, outbox=outbox, client_id=rid
                 )
             except Exception as e:
+                if starting.get(rid) is not token:
+                    return  # cancelled meanwhile: its id may already name a newer request
                 if status_for(e) is None:
                     log.exception("GenerateMany request %s failed", rid)
                 outbox.fail(rid, e)
             finally:
-                starting.discard(rid)
+                if starting.get(rid) is token:
+                    del starting[rid]
                 outbox.wake()  # the call may be waiting for its last request to end
 
         async def read() -> None:
-            nonlocal reading
+            nonlocal reading, broken
             try:
                 async for msg in request_iterator:
                     which = msg.WhichOneof("action")
@@ -194,14 +198,19 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                                 end=False,
                             )
                             continue
-                        starting.add(rid)
-                        task = asyncio.create_task(start(msg.start))
+                        starting[rid] = token = object()
+                        task = asyncio.create_task(start(msg.start, token))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
                     elif which == "cancel":
-                        starting.discard(msg.cancel)
+                        starting.pop(msg.cancel, None)
                         if (stream := running.pop(msg.cancel, None)) is not None:
                             self.engine.abort(stream)
+            except Exception as e:
+                # Starts and cancels could no longer be read: end the call, so that the
+                # client sees it and opens another, rather than wait on it.
+                log.exception("GenerateMany: reading the client's messages failed")
+                broken = e
             finally:
                 reading = False
                 outbox.wake()
@@ -210,6 +219,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         try:
             while reading or running or starting:
                 message, ended = await outbox.take()
+                if broken is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"GenerateMany: {broken}")
                 for rid in ended:
                     running.pop(rid, None)
                 if message.responses or message.errors:

@@ -104,20 +104,13 @@ async def stream_calls(
     """
     n = calls[0].params.n or 1
     queue: asyncio.Queue[Item] = asyncio.Queue()
-    ids = mux.start(calls, queue)
-    deadline = asyncio.get_running_loop().time() + timeout
+    ids = mux.start(calls, queue, timeout)  # past the timeout the queue gets a 504
     prompt_ids: list[list[int]] = [[] for _ in calls]
     usage = pb.Usage()
     done = 0
     try:
         while done < len(calls):
-            try:
-                async with asyncio.timeout_at(deadline):
-                    item = await queue.get()
-            except TimeoutError:
-                raise APIError(
-                    504, "Deadline Exceeded", type="timeout", code="deadline_exceeded"
-                ) from None
+            item = await queue.get()
             if item is None:
                 done += 1
                 continue

@@ -5,9 +5,12 @@ call per request would cost it a message per request per step. Each HTTP request
 registers its generate calls here and reads their responses from its own queue.
 
     mux = Multiplexer(stub_factory)
-    ids = mux.start(calls, queue)   # queue gets (call index, GenerateResponse), an
-                                    # APIError, or None when a call has ended
+    ids = mux.start(calls, queue, timeout)  # queue gets (call index, GenerateResponse),
+                                            # an APIError, or None when a call has ended
     mux.cancel(ids)                 # the control plane aborts them and frees their blocks
+
+Past `timeout` seconds the calls still running are cancelled on the control plane and
+the queue gets a 504, whether or not anyone is reading it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.errors import APIError, from_code, from_grpc
+from hetero_infer.limits import MAX_GRPC_MESSAGE_BYTES
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -49,25 +53,48 @@ class Multiplexer:
         self._outgoing: asyncio.Queue[pb.GenerateManyRequest] | None = None
         self._routes: dict[str, _Route] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}  # first id of a start -> timer
 
-    def start(self, calls: list[pb.GenerateRequest], queue: asyncio.Queue[Item]) -> list[str]:
+    def start(
+        self, calls: list[pb.GenerateRequest], queue: asyncio.Queue[Item], timeout: float
+    ) -> list[str]:
         """Send the calls; their responses go to `queue`. Returns their request ids."""
+        starts = [pb.GenerateManyRequest(start=call) for call in calls]
+        for s in starts:
+            if s.ByteSize() > MAX_GRPC_MESSAGE_BYTES - 1024:  # room for the request id
+                raise APIError(
+                    413,
+                    f"the request is too large for the control plane ({s.ByteSize()} bytes "
+                    f"as a gRPC message; at most {MAX_GRPC_MESSAGE_BYTES})",
+                )
         outgoing = self._open()
         ids = []
-        for i, call in enumerate(calls):
+        for i, start in enumerate(starts):
             rid = uuid.uuid4().hex
-            start = pb.GenerateManyRequest(start=call)
             start.start.request_id = rid
             self._routes[rid] = _Route(queue, i)
             outgoing.put_nowait(start)
             ids.append(rid)
+        loop = asyncio.get_running_loop()
+        self._deadlines[ids[0]] = loop.call_later(timeout, self._expire, ids, queue)
         return ids
 
     def cancel(self, ids: list[str]) -> None:
         """Abort those of `ids` that have not ended; they get no further message."""
+        if ids and (timer := self._deadlines.pop(ids[0], None)) is not None:
+            timer.cancel()
         for rid in ids:
             if self._routes.pop(rid, None) is not None and self._outgoing is not None:
                 self._outgoing.put_nowait(pb.GenerateManyRequest(cancel=rid))
+
+    def _expire(self, ids: list[str], queue: asyncio.Queue[Item]) -> None:
+        """The deadline passed: free the control plane's work now, tell the reader 504."""
+        running = [rid for rid in ids if rid in self._routes]
+        self.cancel(ids)
+        if running:
+            queue.put_nowait(
+                APIError(504, "Deadline Exceeded", type="timeout", code="deadline_exceeded")
+            )
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -107,7 +134,11 @@ class Multiplexer:
                     route = routes.get(resp.request_id)
                     if route is None:
                         continue  # cancelled here while the message was on its way
-                    route.queue.put_nowait((route.index, resp))
+                    # A copy: a part of the step's message would keep all of it alive
+                    # for as long as a slow client leaves this response in its queue.
+                    own = pb.GenerateResponse()
+                    own.CopyFrom(resp)
+                    route.queue.put_nowait((route.index, own))
                     if resp.HasField("usage"):
                         del routes[resp.request_id]
                         route.queue.put_nowait(None)

@@ -162,3 +162,25 @@ def test_request_timeout_cancels_and_frees(stack: FullStack, model: str) -> None
         assert r.status_code == 200  # the head went out before the deadline
         assert '"type": "timeout"' in r.text and r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
     wait_idle(stack, within=5)
+
+
+def test_request_too_large_for_grpc_is_refused_alone(stack: FullStack, model: str) -> None:
+    """Every request of a gateway shares one GenerateMany call: one over gRPC's message
+    limit is refused on its own (413) instead of ending the call for the others."""
+    running = {"model": model, "prompt": "Count to ten", "max_tokens": 40, "ignore_eos": True}
+    huge = {"model": model, "prompt": "a " * (3 << 20), "max_tokens": 1}  # 6 MB of text
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+            first = asyncio.create_task(http.post("/v1/completions", json=running))
+            await asyncio.sleep(0.5)
+            refused = await http.post("/v1/completions", json=huge)
+            return refused, await first
+
+    with gateway(stack.control, free_port(), "--max-body-bytes", str(16 << 20)) as url:
+        refused, ok = asyncio.run(run())
+    assert refused.status_code == 413, refused.text
+    assert "too large" in refused.json()["error"]["message"]
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["completion_tokens"] == 40
+    wait_idle(stack, within=5)
