@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import signal
 import threading
 import time
 
 import grpc
+import httpx
 import pytest
 
 from hetero_infer.local import child, free_port
 from hetero_proto import control_pb2_grpc as pb_grpc
 from tests.e2e_helpers import generate, greedy
+from tests.procs import compute_plane, gateway
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 40
@@ -78,3 +81,52 @@ def test_streams_survive_a_compute_plane_crash() -> None:
                 t.join(timeout=300)
         assert not errors, errors
         assert got == expected
+
+
+def test_gateway_reopens_its_call_after_a_control_plane_crash() -> None:
+    """The gateway's requests share one GenerateMany call: when the control plane dies,
+    those in flight end with 503 (no hang), new ones get 503 at once, and once it is back
+    the gateway opens a new call and serves as before."""
+    kport, cport = free_port(), free_port()
+    control = f"127.0.0.1:{cport}"
+    control_cmd = ["control-plane", "--port", str(cport), "--metrics-port", "0"]
+    with contextlib.ExitStack() as stack:
+        compute = stack.enter_context(compute_plane("--kv-cache-bytes", str(32 << 20), port=kport))
+        control_cmd += ["--compute", compute]
+        cproc = stack.enter_context(child(control_cmd, control))
+        url = stack.enter_context(gateway(control, free_port()))
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        short = {"model": model, "prompt": "The capital of France is", "max_tokens": 8}
+        before = httpx.post(url + "/v1/completions", json={**short, "temperature": 0}, timeout=120)
+        assert before.status_code == 200, before.text
+
+        long = {"model": model, "prompt": "Tell a story", "max_tokens": 400, "ignore_eos": True}
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**long, "stream": True}, timeout=120
+        ) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if '"text"' in line:
+                    break  # generating
+            cproc.send_signal(signal.SIGKILL)
+            cproc.wait()
+            rest = "\n".join(lines)
+        assert '"error"' in rest and "service_unavailable" in rest, rest[-300:]
+        assert rest.rstrip().endswith("data: [DONE]")
+
+        started = time.monotonic()
+        down = httpx.post(url + "/v1/completions", json=short, timeout=120)
+        assert down.status_code == 503, down.text
+        assert time.monotonic() - started < 10
+
+        with child(control_cmd, control):
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/ready").status_code != 200:
+                assert time.monotonic() < deadline, "the gateway did not become ready again"
+                time.sleep(0.2)
+            after = httpx.post(
+                url + "/v1/completions", json={**short, "temperature": 0}, timeout=120
+            )
+            assert after.status_code == 200, after.text
+            assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
