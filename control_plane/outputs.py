@@ -109,11 +109,20 @@ class GenerateStream:
         delta and cut from the request, as if they had never been sampled.
         """
         req = choice.request
-        delta = resp.choices.add(index=choice.index, stop_token_id=-1)
+        delta = resp.choices.add()  # fields set one by one: add(**kwargs) is slower
+        if choice.index:
+            delta.index = choice.index
+        delta.stop_token_id = -1
         # The token that ended the request (EOS or a stop token) adds no text.
         last = len(tokens) - 1
         ended_by_token = req.status is Status.FINISHED_STOPPED and isinstance(req.stop_reason, int)
         push, feed = choice.detok.push, choice.stop.feed
+        if not ended_by_token and not choice.stop.stop:  # the common case: only text
+            delta.token_ids.extend(tokens)
+            if req.sampling.logprobs:
+                delta.logprobs.extend([self._logprob(r) for r in choice.pending_logprobs])
+            delta.text = "".join(map(push, tokens))
+            return delta, None
         text = ""
         matched = None
         sent = len(tokens)
