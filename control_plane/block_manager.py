@@ -18,9 +18,6 @@ class BlockManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.tables: dict[str, list[Block]] = {}
-        # Token slots in each table's blocks (len(table) * block_size): a decode whose
-        # next token fits needs no allocate() call.
-        self.num_slots: dict[str, int] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already indexed
         self._last_hash: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
@@ -95,7 +92,6 @@ class BlockManager:
             self._last_hash[req.request_id] = prefix[-1].hash if prefix else 0
         new = self.pool.allocate(max(0, need)) or []
         table.extend(new)
-        self.num_slots[req.request_id] = len(table) * self.block_size
         return [b.block_id for b in new]
 
     def cache_computed(self, req: Request) -> None:
@@ -126,7 +122,6 @@ class BlockManager:
         shared = self.tables[parent.request_id][:n]
         self.pool.share(shared)
         self.tables[child.request_id] = list(shared)
-        self.num_slots[child.request_id] = n * self.block_size
         self._num_hashed[child.request_id] = 0
         self._last_hash[child.request_id] = 0
         child.num_computed_tokens = n * self.block_size
@@ -135,7 +130,6 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Give back the request's blocks, tail first so its last blocks are evicted first."""
         table = self.tables.pop(req.request_id, None)
-        self.num_slots.pop(req.request_id, None)
         self._num_hashed.pop(req.request_id, None)
         self._last_hash.pop(req.request_id, None)
         if table:
@@ -148,9 +142,6 @@ class BlockManager:
         for table in self.tables.values():
             for b in table:
                 holders[b.block_id] += 1
-        for rid, table in self.tables.items():
-            assert self.num_slots[rid] == len(table) * self.block_size, f"{rid}: num_slots"
-        assert self.num_slots.keys() == self.tables.keys(), "num_slots of a request without a table"
         for b in self.pool.blocks:
             assert b.ref_cnt == holders[b.block_id], (
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {holders[b.block_id]} tables"

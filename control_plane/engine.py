@@ -46,8 +46,8 @@ class ModelLimits:
     vocab_size: int
 
 
-class _PerTokenMetrics:
-    """The labelled children of the metrics observed per token or per step, looked up once.
+class _LoopMetrics:
+    """The labelled children of the metrics the step loop observes, looked up once.
 
     `labels()` costs a lock and a dict lookup; at 256 running sequences the step loop
     would pay it 500 times a step.
@@ -131,7 +131,7 @@ class ControlEngine:
 
     def _set_model_label(self, name: str) -> None:
         self.labels = {"model_name": name}
-        self._per_token = _PerTokenMetrics(self.labels)
+        self._loop_metrics = _LoopMetrics(self.labels)
 
     # --------------------------------------------------------------- intake
     def submit(
@@ -325,10 +325,10 @@ class ControlEngine:
             return
         m = self.labels
         bm = sched.block_manager
-        gauges = self._per_token
-        gauges.running.set(len(sched.running))
-        gauges.waiting.set(len(sched.waiting))
-        gauges.kv_usage.set(bm.usage)
+        lm = self._loop_metrics
+        lm.running.set(len(sched.running))
+        lm.waiting.set(len(sched.waiting))
+        lm.kv_usage.set(bm.usage)
         for key, now, counter in (
             ("preemptions", sched.num_preemptions, metrics.preemptions),
             ("queries", bm.prefix_queries, metrics.prefix_queries),
@@ -388,7 +388,7 @@ class ControlEngine:
                 gaps.append(now - last)
             elif stream.first_token_time is None:  # the stream's first token (any choice)
                 stream.first_token_time = now
-                self._per_token.ttft.observe(now - stream.arrival_time)
+                self._loop_metrics.ttft.observe(now - stream.arrival_time)
             choice.last_token_time = now
             pending = choice.pending
             pending.append(token)
@@ -414,9 +414,9 @@ class ControlEngine:
                 self.choices.pop(req.request_id, None)
             if req.num_cached_tokens > 0 and choice.index == 0:
                 stream.num_cached_tokens = req.num_cached_tokens
-        self._per_token.generation_tokens.inc(len(sampled) - missing)
+        self._loop_metrics.generation_tokens.inc(len(sampled) - missing)
         for value, count in Counter(gaps).items():
-            metrics.observe_many(self._per_token.itl, value, count)
+            metrics.observe_many(self._loop_metrics.itl, value, count)
         for stream, resp in touched.values():
             if ended := stream.done:
                 self._observe_finished(stream)

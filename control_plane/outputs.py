@@ -114,7 +114,6 @@ class GenerateStream:
             delta.index = choice.index
         delta.stop_token_id = -1
         # The token that ended the request (EOS or a stop token) adds no text.
-        last = len(tokens) - 1
         ended_by_token = req.status is Status.FINISHED_STOPPED and isinstance(req.stop_reason, int)
         push, feed = choice.detok.push, choice.stop.feed
         if not ended_by_token and not choice.stop.stop:  # the common case: only text
@@ -123,6 +122,7 @@ class GenerateStream:
                 delta.logprobs.extend([self._logprob(r) for r in choice.pending_logprobs])
             delta.text = "".join(map(push, tokens))
             return delta, None
+        last = len(tokens) - 1
         text = ""
         matched = None
         sent = len(tokens)

@@ -51,8 +51,8 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        # What can end a request, for a check per token that rarely calls stop_check:
-        # the tokens that may stop it, and its length at max_tokens.
+        # What can end it (stop_check; the scheduler tests these before calling it):
+        # the tokens that stop it, and its length at max_tokens.
         self.stop_ids = self.stop_token_ids | (
             frozenset() if self.ignore_eos else self.eos_token_ids
         )
@@ -75,11 +75,9 @@ class Request:
         # The first min_tokens tokens may not end the request (vLLM's min_tokens).
         num_tokens = len(self.token_ids)
         num_output = num_tokens - self.num_prompt_tokens
-        if num_output > self.min_tokens and (
-            token in self.stop_token_ids or (not self.ignore_eos and token in self.eos_token_ids)
-        ):
+        if num_output > self.min_tokens and token in self.stop_ids:
             self.stop_reason = token
             return Status.FINISHED_STOPPED
-        if num_output >= self.max_tokens or num_tokens >= max_model_len:
+        if num_tokens >= self.max_num_tokens or num_tokens >= max_model_len:
             return Status.FINISHED_LENGTH
         return None

@@ -156,7 +156,8 @@ class Scheduler:
             elif left > 1:
                 prefills.append(r)
         allocate = self.block_manager.allocate
-        num_slots = self.block_manager.num_slots
+        tables = self.block_manager.tables
+        bs = self.block_manager.block_size
         in_blocks = out.decodes
         running = Status.RUNNING
         for req in decodes + prefills:
@@ -168,7 +169,7 @@ class Scheduler:
             if (
                 n == 1
                 and req.sent_to_compute
-                and req.num_computed_tokens < num_slots[req.request_id]
+                and req.num_computed_tokens < len(tables[req.request_id]) * bs
             ):
                 in_blocks.append(req)  # the next token's slot is in a block it holds
                 budget -= 1
@@ -260,7 +261,7 @@ class Scheduler:
                 continue
             tokens = req.token_ids
             tokens.append(token)
-            # Only a stop/EOS token or a length limit can end it: stop_check decides then.
+            # stop_check's own conditions, less min_tokens: most tokens skip the call.
             if (
                 token in req.stop_ids
                 or len(tokens) >= req.max_num_tokens
