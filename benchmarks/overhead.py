@@ -66,11 +66,14 @@ async def _drive_many(control: str, num_seqs: int, steps: int, seed: int) -> Non
             message = await call.read()
             assert isinstance(message, pb.GenerateManyResponse), message
             assert not message.errors, message.errors
-            for resp in message.responses:
-                rid = resp.request_id
+            # Tokens per request: the full responses', then the packed deltas'.
+            counts = [
+                (r.request_id, sum(len(c.token_ids) for c in r.choices)) for r in message.responses
+            ]
+            counts += zip(message.packed.request_ids, message.packed.num_tokens, strict=True)
+            for rid, got in counts:
                 if rid not in seen:
                     continue
-                got = sum(len(c.token_ids) for c in resp.choices)
                 seen[rid] += got
                 if after is not None:
                     after[rid] += got
@@ -224,14 +227,18 @@ def breakdown(
             t4 = clock()
             engine._emit(result, sampled)
             engine._observe_pool()
-            t5 = clock()
+            # Outputs end with the serialised messages gRPC would send.
             if outbox is not None:  # what the GenerateMany call's writer takes
-                if outbox.message.responses:
-                    await outbox.take()
+                if not outbox.empty:
+                    for message in (await outbox.take())[0]:
+                        message.SerializeToString()
             else:
                 for st in streams:  # what the Generate coroutines would take
                     while not st.queue.empty():
-                        st.queue.get_nowait()
+                        resp = st.queue.get_nowait()
+                        assert isinstance(resp, pb.GenerateResponse)
+                        resp.SerializeToString()
+            t5 = clock()
             if i >= 4:
                 assert len(sched.running) == num_seqs
                 for key, dt in zip(

@@ -226,6 +226,8 @@ class ControlEngine:
             for r in added:
                 sched.abort(r.request_id)
             raise
+        if outbox is not None and n == 1 and not params.logprobs:
+            stream.pack_into = outbox
         self.streams[stream_id] = stream
         metrics.prompt_tokens.labels(**self.labels).inc(len(prompt_ids))
         for c in stream.choices:
@@ -398,12 +400,19 @@ class ControlEngine:
             # A request that got a token is running unless this token finished it.
             if len(pending) < interval and req.status is running and choice.sent:
                 continue
+            if req.num_cached_tokens > 0 and choice.index == 0:
+                stream.num_cached_tokens = req.num_cached_tokens
+            text, num_sent, matched = stream.new_text(choice, pending)
+            choice.sent = True
+            if matched is None and req.status is running and (box := stream.pack_into) is not None:
+                box.delta(stream.client_id, pending, text)  # the common case, packed
+                pending.clear()
+                continue
             if (out := touched.get(stream.stream_id)) is None:
                 out = touched[stream.stream_id] = (stream, stream.new_response())
-            delta, matched = stream.token_delta(choice, pending, out[1])
+            delta = stream.add_delta(choice, out[1], pending[:num_sent], text)
             pending.clear()
             choice.pending_logprobs.clear()
-            choice.sent = True
             if matched is not None:
                 req.stop_reason = matched
                 sched.finish(req.request_id, Status.FINISHED_STOPPED)
@@ -412,8 +421,6 @@ class ControlEngine:
             if req.status is not running:
                 stream.finish(choice, delta, req.status)
                 self.choices.pop(req.request_id, None)
-            if req.num_cached_tokens > 0 and choice.index == 0:
-                stream.num_cached_tokens = req.num_cached_tokens
         self._loop_metrics.generation_tokens.inc(len(sampled) - missing)
         for value, count in Counter(gaps).items():
             metrics.observe_many(self._loop_metrics.itl, value, count)

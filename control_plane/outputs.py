@@ -51,6 +51,11 @@ class Outbox(Protocol):
         """The response from `add` is complete; `last`: the request has ended."""
         ...
 
+    def delta(self, request_id: str, token_ids: list[int], text: str) -> None:
+        """A delta of choice 0 with only text and tokens, the request not finished: packed
+        into the next message (GenerateManyResponse.packed) rather than a response."""
+        ...
+
     def fail(self, request_id: str, error: BaseException) -> None:
         """The request is refused or failed; it ends with this error."""
         ...
@@ -75,6 +80,9 @@ class GenerateStream:
     outbox: Outbox | None = None
     client_id: str = ""
     num_finished: int = 0  # choices finished
+    # The outbox that takes this request's plain deltas packed (Outbox.delta): set for a
+    # request of a GenerateMany call with one choice and no logprobs.
+    pack_into: Outbox | None = None
 
     @property
     def done(self) -> bool:
@@ -99,29 +107,19 @@ class GenerateStream:
         else:
             self.outbox.fail(self.client_id, error)
 
-    def token_delta(
-        self, choice: Choice, tokens: list[int], resp: pb.GenerateResponse
-    ) -> tuple[pb.ChoiceDelta, str | None]:
-        """Add the delta of a choice's newly sampled tokens to `resp`; also the stop string matched.
+    def new_text(self, choice: Choice, tokens: list[int]) -> tuple[str, int, str | None]:
+        """Detokenise a choice's newly sampled tokens and apply its stop strings.
 
-        The delta is built in place (a protobuf append would copy it). A stop string ends
-        the delta at the token that completed it: the tokens after it are left out of the
-        delta and cut from the request, as if they had never been sampled.
+        Returns the text to send, how many of `tokens` it covers, and the stop string
+        matched. A stop string ends the text at the token that completed it: the tokens
+        after it are cut from the request, as if they had never been sampled.
         """
         req = choice.request
-        delta = resp.choices.add()  # fields set one by one: add(**kwargs) is slower
-        if choice.index:
-            delta.index = choice.index
-        delta.stop_token_id = -1
         # The token that ended the request (EOS or a stop token) adds no text.
         ended_by_token = req.status is Status.FINISHED_STOPPED and isinstance(req.stop_reason, int)
         push, feed = choice.detok.push, choice.stop.feed
         if not ended_by_token and not choice.stop.stop:  # the common case: only text
-            delta.token_ids.extend(tokens)
-            if req.sampling.logprobs:
-                delta.logprobs.extend([self._logprob(r) for r in choice.pending_logprobs])
-            delta.text = "".join(map(push, tokens))
-            return delta, None
+            return "".join(map(push, tokens)), len(tokens), None
         last = len(tokens) - 1
         text = ""
         matched = None
@@ -134,11 +132,23 @@ class GenerateStream:
                 if i < last:
                     del req.token_ids[i - last :]  # sampled after the stop string: never sent
                 break
-        delta.token_ids.extend(tokens[:sent])
-        if req.sampling.logprobs:
-            delta.logprobs.extend([self._logprob(r) for r in choice.pending_logprobs[:sent]])
+        return text, sent, matched
+
+    def add_delta(
+        self, choice: Choice, resp: pb.GenerateResponse, tokens: list[int], text: str
+    ) -> pb.ChoiceDelta:
+        """Add the delta of a choice (its tokens and their text) to `resp`, built in place
+        (a protobuf append would copy it)."""
+        delta = resp.choices.add()  # fields set one by one: add(**kwargs) is slower
+        if choice.index:
+            delta.index = choice.index
+        delta.stop_token_id = -1
+        delta.token_ids.extend(tokens)
+        if choice.request.sampling.logprobs:
+            lps = choice.pending_logprobs[: len(tokens)]
+            delta.logprobs.extend([self._logprob(r) for r in lps])
         delta.text = text
-        return delta, matched
+        return delta
 
     def finish(self, choice: Choice, delta: pb.ChoiceDelta, status: Status) -> None:
         """Flush held-back text and mark the choice finished."""

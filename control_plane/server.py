@@ -48,19 +48,64 @@ def status_for(e: BaseException) -> grpc.StatusCode | None:
 class CallOutbox:
     """The next message of one GenerateMany call, filled in place as steps produce it.
 
-    A step's responses are built straight into `message`; the call's writer takes the
-    message whole when it wakes, so everything one step produced goes out together.
+    A step's responses are built straight into `message`, and its common deltas are
+    packed into lists (`delta`); the call's writer takes the message whole when it
+    wakes, so everything one step produced goes out together.
+
+    A message is read responses first, then packed deltas. When the writer lags, a
+    message can gather several steps: a full response of a request that already has a
+    packed delta in it would then be read too early, so the message is closed there
+    and the response starts the next one.
     """
 
     def __init__(self) -> None:
-        self.message = pb.GenerateManyResponse()
         self.ended: list[str] = []  # requests whose last message is in `message`
         self._ready = asyncio.Event()
+        self._closed: list[pb.GenerateManyResponse] = []  # full, waiting to be written
+        self._new_message()
+
+    def _new_message(self) -> None:
+        self.message = pb.GenerateManyResponse()
+        self._packed_ids: list[str] = []
+        self._packed_texts: list[str] = []
+        self._packed_counts: list[int] = []
+        self._packed_tokens: list[int] = []
+        self._packed_set: set[str] = set()
+
+    def _close_message(self) -> None:
+        self._closed.append(self._finish_message())
+        self._new_message()
+
+    def _finish_message(self) -> pb.GenerateManyResponse:
+        message = self.message
+        if self._packed_ids:
+            packed = message.packed
+            packed.request_ids.extend(self._packed_ids)
+            packed.texts.extend(self._packed_texts)
+            packed.num_tokens.extend(self._packed_counts)
+            packed.token_ids.extend(self._packed_tokens)
+        return message
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to write: the current message holds nothing and none is closed."""
+        m = self.message
+        return not (self._closed or m.responses or m.errors or self._packed_ids)
 
     def add(self, request_id: str) -> pb.GenerateResponse:
+        if request_id in self._packed_set:
+            self._close_message()
         resp = self.message.responses.add()  # then set: add(**kwargs) is slower
         resp.request_id = request_id
         return resp
+
+    def delta(self, request_id: str, token_ids: list[int], text: str) -> None:
+        self._packed_ids.append(request_id)
+        self._packed_texts.append(text)
+        self._packed_counts.append(len(token_ids))
+        self._packed_tokens += token_ids
+        self._packed_set.add(request_id)
+        self._ready.set()
 
     def sent(self, request_id: str, last: bool) -> None:
         if last:
@@ -78,13 +123,19 @@ class CallOutbox:
     def wake(self) -> None:
         self._ready.set()
 
-    async def take(self) -> tuple[pb.GenerateManyResponse, list[str]]:
-        """Wait for something to send; return it and the requests it ends."""
+    async def take(self) -> tuple[list[pb.GenerateManyResponse], list[str]]:
+        """Wait for something to send; return the messages (none when only woken) and
+        the requests they end."""
         await self._ready.wait()
         self._ready.clear()
-        message, ended = self.message, self.ended
-        self.message, self.ended = pb.GenerateManyResponse(), []
-        return message, ended
+        messages = self._closed
+        m = self.message
+        if m.responses or m.errors or self._packed_ids:
+            messages.append(self._finish_message())
+        ended = self.ended
+        self._closed, self.ended = [], []
+        self._new_message()
+        return messages, ended
 
 
 class ControlServicer(pb_grpc.ControlPlaneServicer):
@@ -220,12 +271,12 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         reader = asyncio.create_task(read())
         try:
             while reading or running or starting:
-                message, ended = await outbox.take()
+                messages, ended = await outbox.take()
                 if broken is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"GenerateMany: {broken}")
                 for rid in ended:
                     running.pop(rid, None)
-                if message.responses or message.errors:
+                for message in messages:
                     yield message
         finally:
             reader.cancel()

@@ -25,6 +25,7 @@ import grpc
 
 from gateway.errors import APIError, from_code, from_grpc
 from hetero_infer.limits import MAX_GRPC_MESSAGE_BYTES
+from hetero_infer.packed import packed_responses
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -142,6 +143,9 @@ class Multiplexer:
                     if resp.HasField("usage"):
                         del routes[resp.request_id]
                         route.queue.put_nowait(None)
+                for resp in packed_responses(message.packed):  # read after `responses`
+                    if (route := routes.get(resp.request_id)) is not None:
+                        route.queue.put_nowait((route.index, resp))
                 for e in message.errors:
                     if (route := routes.pop(e.request_id, None)) is not None:
                         route.queue.put_nowait(from_code(e.code, e.message))

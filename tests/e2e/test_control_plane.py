@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from hetero_infer.packed import packed_responses
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import compute_pb2_grpc as cpb_grpc
 from hetero_proto import control_pb2 as pb
@@ -258,12 +259,13 @@ def test_generate_many_interleaves_requests_on_one_call(stub, alone) -> None:  #
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     admitted: set[str] = set()
     ended: set[str] = set()
-    messages = responses = 0
+    messages = responses = packed = 0
     while len(ended) < len(prompts):
         msg = many.read()
         assert not msg.errors, msg.errors
         messages += 1
-        for resp in msg.responses:
+        packed += len(msg.packed.request_ids)
+        for resp in [*msg.responses, *packed_responses(msg.packed)]:  # the order to read
             responses += 1
             rid = resp.request_id
             assert rid not in ended, f"{rid}: a message after its last"
@@ -284,6 +286,8 @@ def test_generate_many_interleaves_requests_on_one_call(stub, alone) -> None:  #
     # 16 admissions + 16 x 20 tokens; sent a message per response, this would be 336.
     assert responses == len(prompts) * (MAX_TOKENS + 1)
     assert messages < responses // 2, (messages, responses)
+    # Every delta but the last (finish_reason, usage) is plain text and tokens: packed.
+    assert packed == len(prompts) * (MAX_TOKENS - 1), packed
     st = _wait_pool_full(stub, 2.0)
     assert st.integrity_ok, st.integrity_error
     assert st.num_free_kv_blocks == st.num_usable_kv_blocks
@@ -307,7 +311,7 @@ def test_generate_many_errors_and_cancels_touch_only_their_request(stub, alone) 
         for e in msg.errors:
             assert e.request_id not in errors or e.request_id == "good"
             errors.setdefault(e.request_id, e)
-        for resp in msg.responses:
+        for resp in [*msg.responses, *packed_responses(msg.packed)]:
             if resp.request_id == "good":
                 tokens.extend(t for c in resp.choices for t in c.token_ids)
             elif resp.request_id == "long" and resp.choices:

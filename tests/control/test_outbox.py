@@ -1,0 +1,103 @@
+"""A GenerateMany call's outbox: what a client reads, in the documented order, is what
+the steps produced, in order, however the writer's takes fall between the steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.server import CallOutbox
+from hetero_infer.packed import packed_responses
+from hetero_proto import control_pb2 as pb
+
+# A step: for each request that produced something, True for a packed delta and False
+# for a full response (an admission, a finish, a delta with logprobs or a stop string).
+steps_strategy = st.lists(
+    st.tuples(
+        st.dictionaries(st.sampled_from("abcd"), st.booleans(), max_size=4),
+        st.booleans(),  # the writer takes the outbox after this step
+    ),
+    max_size=12,
+)
+
+
+def _read(message: pb.GenerateManyResponse) -> list[tuple[str, str]]:
+    """(request id, text) in the order control.proto says to read a message."""
+    out = [(r.request_id, r.choices[0].text) for r in message.responses]
+    return out + [(r.request_id, r.choices[0].text) for r in packed_responses(message.packed)]
+
+
+def _run(steps: list[tuple[dict[str, bool], bool]]) -> tuple[dict[str, list[str]], int]:
+    """Feed the steps to an outbox; what each request read, and the messages written."""
+
+    async def go() -> tuple[dict[str, list[str]], int]:
+        box = CallOutbox()
+        read: dict[str, list[str]] = {}
+        written = 0
+        for n, (produced, take) in enumerate(steps):
+            for rid, plain in produced.items():
+                text = f"{rid}{n}"
+                if plain:
+                    box.delta(rid, [n], text)
+                else:
+                    resp = box.add(rid)
+                    resp.choices.add(text=text, token_ids=[n])
+                    box.sent(rid, last=False)
+            if take or n == len(steps) - 1:
+                if box.empty:
+                    continue
+                messages, _ = await box.take()
+                for m in messages:
+                    written += 1
+                    for rid, text in _read(
+                        pb.GenerateManyResponse.FromString(m.SerializeToString())
+                    ):
+                        read.setdefault(rid, []).append(text)
+        return read, written
+
+    return asyncio.run(go())
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps_strategy)
+def test_every_request_reads_its_messages_in_step_order(steps) -> None:  # type: ignore[no-untyped-def]
+    read, _ = _run(steps)
+    expected: dict[str, list[str]] = {}
+    for n, (produced, _take) in enumerate(steps):
+        for rid in produced:
+            expected.setdefault(rid, []).append(f"{rid}{n}")
+    assert read == expected
+
+
+def test_a_full_response_after_a_packed_delta_of_its_request_starts_a_new_message() -> None:
+    # Two steps gathered before the writer wakes: step 0 packs a delta of "a", step 1
+    # finishes "a" with a full response. Read as one message, the finish would come first.
+    read, written = _run([({"a": True, "b": False}, False), ({"a": False, "b": True}, True)])
+    assert read == {"a": ["a0", "a1"], "b": ["b0", "b1"]}
+    assert written == 2
+    # Without the conflict, two steps share one message.
+    read, written = _run([({"a": False}, False), ({"a": True, "b": True}, True)])
+    assert read == {"a": ["a0", "a1"], "b": ["b1"]}
+    assert written == 1
+
+
+def test_packed_deltas_stand_for_their_responses() -> None:
+    packed = pb.PackedDeltas(
+        request_ids=["x", "y", "x"],
+        texts=["A", "", "BC"],
+        num_tokens=[1, 0, 2],
+        token_ids=[7, 8, 9],
+    )
+    got = list(packed_responses(packed))
+    assert [(r.request_id, r.choices[0].text, list(r.choices[0].token_ids)) for r in got] == [
+        ("x", "A", [7]),
+        ("y", "", []),
+        ("x", "BC", [8, 9]),
+    ]
+    assert all(r.choices[0].stop_token_id == -1 and not r.choices[0].finish_reason for r in got)
+    packed.token_ids.append(10)
+    with pytest.raises(ValueError, match="num_tokens add up to 3"):
+        list(packed_responses(packed))
