@@ -178,6 +178,7 @@ class _Wire:
 
     def __init__(self) -> None:
         self.compute = InstantCompute(num_blocks=100_000, block_size=16, vocab_size=49152)
+        self._sent = cpb.StepRequest()
 
     async def attach(self, timeout: float = 10.0) -> cpb.DescribeResponse:
         return self.compute.description
@@ -185,9 +186,11 @@ class _Wire:
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
         return True
 
-    async def step(self, request: cpb.StepRequest) -> cpb.StepResult:
-        step = cpb.StepRequest.FromString(request.SerializeToString())
-        return cpb.StepResult.FromString(self.compute.answer(step).SerializeToString())
+    async def send(self, request: cpb.StepRequest) -> None:
+        self._sent = cpb.StepRequest.FromString(request.SerializeToString())
+
+    async def receive(self) -> cpb.StepResult:
+        return cpb.StepResult.FromString(self.compute.answer(self._sent).SerializeToString())
 
     async def close(self) -> None:
         pass
@@ -220,7 +223,8 @@ def breakdown(
             engine._step_id += 1
             step = engine._to_step(out)
             t2 = clock()
-            result = await engine.client.step(step)
+            await engine.client.send(step)
+            result = await engine.client.receive()
             t3 = clock()
             sampled = sampled_tokens(result)
             sched.update(out, sampled)

@@ -44,7 +44,11 @@ class ComputeLink(Protocol):
 
     async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse: ...
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool: ...
-    async def step(self, request: pb.StepRequest) -> pb.StepResult: ...
+    async def send(self, request: pb.StepRequest) -> None:
+        """Send a step; `receive` returns its result. One step is in flight at a time."""
+        ...
+
+    async def receive(self) -> pb.StepResult: ...
     async def close(self) -> None: ...
 
 
@@ -84,11 +88,20 @@ class ComputeClient:
             return e.code() != grpc.StatusCode.UNAVAILABLE
         return draining or bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
-    async def step(self, request: pb.StepRequest) -> pb.StepResult:
-        """Send one step and wait for its result."""
+    async def send(self, request: pb.StepRequest) -> None:
+        """Send one step; its result comes from `receive`."""
         assert self._run is not None, "attach() first"
         try:
             await self._run.write(request)
+        except grpc.aio.AioRpcError as e:
+            raise ComputeLinkError(
+                f"compute plane {self.address}: {e.code().name}: {e.details()}"
+            ) from e
+
+    async def receive(self) -> pb.StepResult:
+        """The result of the step sent last."""
+        assert self._run is not None, "attach() first"
+        try:
             result = await self._run.read()
         except grpc.aio.AioRpcError as e:
             raise ComputeLinkError(

@@ -293,31 +293,46 @@ class ControlEngine:
                 self._wake.set()
 
     async def _loop(self) -> None:
+        """Schedule, send the step, and while it runs turn the previous step's tokens into
+        responses (detokenising, stop strings): output processing overlaps the compute
+        plane's step instead of delaying the next one, as in vLLM's async output
+        processing. A stop string found there ends its request one step late: that
+        step's token for it is dropped, never sent or counted."""
         sched = self.scheduler
         assert sched is not None
+        ready: tuple[cpb.StepResult, dict[str, int]] | None = None  # sampled, not yet emitted
         while True:
-            if self._lost:
-                self._lost = False
-                raise ComputeLinkError("the compute plane stopped answering health checks")
-            if not sched.has_work:
-                self._observe_pool()
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            out = sched.schedule(admit=not self._compute_draining)
-            if out.empty:
+            out = None
+            if not self._lost and sched.has_work:
+                out = sched.schedule(admit=not self._compute_draining)
+            if out is None or out.empty:
+                if ready is not None:  # no step to overlap with: emit now, then look again
+                    self._emit(*ready)
+                    ready = None
+                    self._observe_pool()
+                    continue
+                if self._lost:
+                    self._lost = False
+                    raise ComputeLinkError("the compute plane stopped answering health checks")
                 self._observe_pool()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             self._step_id += 1
-            result = await self.client.step(self._to_step(out))
+            step = self._to_step(out)
+            try:
+                await self.client.send(step)
+            finally:
+                if ready is not None:
+                    self._emit(*ready)
+                    ready = None
+            result = await self.client.receive()
             if result.draining and not self._compute_draining:
                 log.info("the compute plane is draining: new requests wait for the next one")
                 self._compute_draining = True
             sampled = sampled_tokens(result)
             sched.update(out, sampled)
-            self._emit(result, sampled)
+            ready = result, sampled
             self._observe_pool()
 
     def _observe_pool(self) -> None:
@@ -374,7 +389,7 @@ class ControlEngine:
         assert sched is not None
         touched: dict[str, tuple[GenerateStream, pb.GenerateResponse]] = {}
         interval = self.config.stream_interval
-        running = Status.RUNNING
+        running, waiting = Status.RUNNING, Status.WAITING
         now = time.monotonic()
         missing = 0
         gaps: list[float] = []  # inter-token latencies seen by this step's tokens
@@ -397,14 +412,16 @@ class ControlEngine:
             if logprobs is not None and rid in logprobs:
                 choice.pending_logprobs.append(logprobs[rid])
             req = choice.request
-            # A request that got a token is running unless this token finished it.
-            if len(pending) < interval and req.status is running and choice.sent:
+            # A request that got a token goes on unless this token finished it. It may be
+            # waiting: preempted by the next step's plan, made before this emit.
+            live = (status := req.status) is running or status is waiting
+            if len(pending) < interval and live and choice.sent:
                 continue
             if req.num_cached_tokens > 0 and choice.index == 0:
                 stream.num_cached_tokens = req.num_cached_tokens
             text, num_sent, matched = stream.new_text(choice, pending)
             choice.sent = True
-            if matched is None and req.status is running and (box := stream.pack_into) is not None:
+            if matched is None and live and (box := stream.pack_into) is not None:
                 box.delta(stream.client_id, pending, text)  # the common case, packed
                 pending.clear()
                 continue
@@ -418,7 +435,8 @@ class ControlEngine:
                 sched.finish(req.request_id, Status.FINISHED_STOPPED)
                 # Also when the scheduler ended it by length: the text ends at the stop string.
                 req.status = Status.FINISHED_STOPPED
-            if req.status is not running:
+                live = False
+            if not live:
                 stream.finish(choice, delta, req.status)
                 self.choices.pop(req.request_id, None)
         self._loop_metrics.generation_tokens.inc(len(sampled) - missing)

@@ -33,6 +33,7 @@ class InProcessCompute:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._sent: cpb.StepRequest | None = None
 
     async def attach(self, timeout: float = 10.0) -> cpb.DescribeResponse:
         self.engine.reset()
@@ -41,7 +42,13 @@ class InProcessCompute:
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
         return True
 
-    async def step(self, request: cpb.StepRequest) -> cpb.StepResult:
+    async def send(self, request: cpb.StepRequest) -> None:
+        self._sent = request
+
+    async def receive(self) -> cpb.StepResult:
+        """Runs the step sent last (a call in this process: nothing overlaps it)."""
+        request, self._sent = self._sent, None
+        assert request is not None, "send() first"
         try:
             return self.engine.step(request)
         except StepRejected as e:

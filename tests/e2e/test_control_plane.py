@@ -121,6 +121,15 @@ def test_stop_strings_across_tokens_never_leak(stub) -> None:  # type: ignore[no
     assert out.texts[0] == text[:cut]
     assert "".join(out.deltas[0]) == text[:cut]  # no delta carried a piece of the stop string
     assert out.finish[0] == pb.FINISH_REASON_STOP
+    # The stop string is found while the next step already runs: the token that step
+    # samples is dropped. Sent and counted are the tokens up to the one completing it.
+    sent = out.tokens[0]
+    assert sent == full.tokens[0][: len(sent)]
+    assert stop not in stub.Detokenize(pb.DetokenizeRequest(token_ids=sent[:-1])).text
+    assert stop in stub.Detokenize(pb.DetokenizeRequest(token_ids=sent)).text
+    assert out.usage is not None and out.usage.completion_tokens == len(sent)
+    st = _wait_pool_full(stub, 2.0)
+    assert st.num_free_kv_blocks == st.num_usable_kv_blocks
 
 
 def test_cancel_mid_stream_frees_the_pool(stub) -> None:  # type: ignore[no-untyped-def]
