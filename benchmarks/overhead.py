@@ -57,7 +57,7 @@ async def _drive_many(control: str, num_seqs: int, steps: int, seed: int) -> Non
     async with grpc.aio.insecure_channel(control) as channel:
         call = pb_grpc.ControlPlaneStub(channel).GenerateMany()
         for i in range(num_seqs):
-            start = pb.GenerateManyRequest(start=_request(rng, steps))
+            start = pb.GenerateManyRequest(start=_request(rng, steps), accept_packed=True)
             start.start.request_id = str(i)
             await call.write(start)
         seen = dict.fromkeys(map(str, range(num_seqs)), 0)
@@ -212,7 +212,8 @@ def breakdown(
         params = pb.GenerationParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
         outbox = CallOutbox() if api == "generate_many" else None
         streams = [
-            engine.submit([100 + i % 20000] * 16, params, outbox, str(i)) for i in range(num_seqs)
+            engine.submit([100 + i % 20000] * 16, params, outbox, str(i), packed=True)
+            for i in range(num_seqs)
         ]
         parts = dict.fromkeys(("schedule", "build_step", "wire", "update", "outputs"), 0.0)
         clock = time.perf_counter

@@ -14,14 +14,17 @@ from control_plane.tokenizer import TokenizerWrapper
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: TokenizerWrapper, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.skip = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self._bytes = tokenizer.bytes_table(skip_special_tokens)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decode = self._decoder.decode
 
     def push(self, token_id: int) -> str:
         """Text completed by this token (may be empty while a character is incomplete)."""
-        if token_id in self.skip:
-            return ""
-        return self._decoder.decode(self.tokenizer.token_bytes(token_id))
+        try:
+            data = self._bytes[token_id]
+        except IndexError:  # a token of the model's padded vocabulary, past the tokenizer's
+            data = b""
+        return self._decode(data)
 
     def flush(self) -> str:
         """Whatever is held back at the end (an incomplete character becomes U+FFFD)."""

@@ -1,7 +1,8 @@
 """The control plane's engine: admits requests, runs the step loop, streams outputs.
 
 One asyncio task drives the attached compute plane: schedule -> send the step ->
-await its result -> update the scheduler -> push deltas to each Generate stream.
+push the previous step's deltas to their streams while it runs -> await its result ->
+update the scheduler.
 """
 
 from __future__ import annotations
@@ -140,11 +141,13 @@ class ControlEngine:
         params: pb.GenerationParams,
         outbox: Outbox | None = None,
         client_id: str = "",
+        packed: bool = False,
     ) -> GenerateStream:
         """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable.
 
         Its responses go to the stream's queue, or with `outbox` into that GenerateMany
-        call's next message under `client_id`.
+        call's next message under `client_id`; with `packed` (the client reads packed
+        deltas) its plain deltas go packed when it has one choice and no logprobs.
         """
         sched = self.scheduler
         if self.draining:
@@ -226,7 +229,12 @@ class ControlEngine:
             for r in added:
                 sched.abort(r.request_id)
             raise
-        if outbox is not None and n == 1 and not params.logprobs:
+        if (
+            outbox is not None
+            and packed
+            and n == 1
+            and not (params.logprobs or params.top_logprobs)
+        ):
             stream.pack_into = outbox
         self.streams[stream_id] = stream
         metrics.prompt_tokens.labels(**self.labels).inc(len(prompt_ids))
@@ -419,10 +427,17 @@ class ControlEngine:
                 continue
             if req.num_cached_tokens > 0 and choice.index == 0:
                 stream.num_cached_tokens = req.num_cached_tokens
-            text, num_sent, matched = stream.new_text(choice, pending)
             choice.sent = True
-            if matched is None and live and (box := stream.pack_into) is not None:
-                box.delta(stream.client_id, pending, text)  # the common case, packed
+            box = stream.pack_into if live else None
+            if box is not None and not choice.stop.stop:  # the common case: text, packed
+                push = choice.detok.push
+                text = push(token) if len(pending) == 1 else "".join(map(push, pending))
+                box.delta(stream.client_id, pending, text)
+                pending.clear()
+                continue
+            text, num_sent, matched = stream.new_text(choice, pending)
+            if matched is None and box is not None:
+                box.delta(stream.client_id, pending, text)
                 pending.clear()
                 continue
             if (out := touched.get(stream.stream_id)) is None:

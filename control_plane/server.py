@@ -100,12 +100,14 @@ class CallOutbox:
         return resp
 
     def delta(self, request_id: str, token_ids: list[int], text: str) -> None:
-        self._packed_ids.append(request_id)
+        ids = self._packed_ids
+        if not ids:  # the first of this message (the event stays set until `take`)
+            self._ready.set()
+        ids.append(request_id)
         self._packed_texts.append(text)
         self._packed_counts.append(len(token_ids))
         self._packed_tokens += token_ids
         self._packed_set.add(request_id)
-        self._ready.set()
 
     def sent(self, request_id: str, last: bool) -> None:
         if last:
@@ -214,14 +216,14 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         reading = True
         broken: BaseException | None = None  # the reader failed: end the call
 
-        async def start(request: pb.GenerateRequest, token: object) -> None:
+        async def start(request: pb.GenerateRequest, token: object, packed: bool) -> None:
             rid = request.request_id
             try:
                 prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
                 if starting.get(rid) is not token:
                     return  # cancelled while tokenising (its id may have been reused since)
                 running[rid] = self.engine.submit(
-                    prompt_ids, request.params, outbox=outbox, client_id=rid
+                    prompt_ids, request.params, outbox=outbox, client_id=rid, packed=packed
                 )
             except Exception as e:
                 if starting.get(rid) is not token:
@@ -252,7 +254,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                             )
                             continue
                         starting[rid] = token = object()
-                        task = asyncio.create_task(start(msg.start, token))
+                        task = asyncio.create_task(start(msg.start, token, msg.accept_packed))
                         tasks.add(task)
                         task.add_done_callback(tasks.discard)
                     elif which == "cancel":

@@ -69,6 +69,7 @@ class TokenizerWrapper:
         self.all_special_ids = frozenset(special_ids)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._bytes: list[bytes] = [self._token_bytes(i) for i in range(self.vocab_size)]
+        self._bytes_skipping: list[bytes] | None = None  # built on first use
         # No token spans more bytes than this, so a text of B bytes has >= B / this tokens.
         self.max_token_bytes = max(1, *(len(b) for b in self._bytes))
 
@@ -84,6 +85,16 @@ class TokenizerWrapper:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])  # byte-fallback token
         return piece.replace("▁", " ").encode()
+
+    def bytes_table(self, skip_special_tokens: bool) -> list[bytes]:
+        """Each token id's bytes; special tokens' empty when skipped. Shared: do not modify."""
+        if not skip_special_tokens:
+            return self._bytes
+        if self._bytes_skipping is None:
+            self._bytes_skipping = [
+                b"" if i in self.all_special_ids else b for i, b in enumerate(self._bytes)
+            ]
+        return self._bytes_skipping
 
     def token_bytes(self, token_id: int) -> bytes:
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""

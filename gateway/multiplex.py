@@ -60,7 +60,7 @@ class Multiplexer:
         self, calls: list[pb.GenerateRequest], queue: asyncio.Queue[Item], timeout: float
     ) -> list[str]:
         """Send the calls; their responses go to `queue`. Returns their request ids."""
-        starts = [pb.GenerateManyRequest(start=call) for call in calls]
+        starts = [pb.GenerateManyRequest(start=call, accept_packed=True) for call in calls]
         for s in starts:
             if s.ByteSize() > MAX_GRPC_MESSAGE_BYTES - 1024:  # room for the request id
                 raise APIError(
@@ -153,6 +153,11 @@ class Multiplexer:
             if e.code() != grpc.StatusCode.CANCELLED:
                 error = from_grpc(e)
                 log.warning("GenerateMany call to the control plane ended: %s", e.code().name)
+        except Exception:
+            # A message that cannot be read: end the call, so that the control plane
+            # stops its requests, and fail them here (503); the next request opens a new one.
+            log.exception("GenerateMany: a message from the control plane could not be read")
+            call.cancel()
         finally:
             if self._call is call:
                 self._call = self._outgoing = None

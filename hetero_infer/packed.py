@@ -15,10 +15,12 @@ from hetero_proto import control_pb2 as pb
 def packed_responses(packed: pb.PackedDeltas) -> Iterator[pb.GenerateResponse]:
     """Each packed delta as the GenerateResponse it stands for, in order."""
     tokens = packed.token_ids
-    if sum(packed.num_tokens) != len(tokens):
+    sizes = {len(packed.request_ids), len(packed.texts), len(packed.num_tokens)}
+    if len(sizes) > 1 or sum(packed.num_tokens) != len(tokens):  # checked before any yield
         raise ValueError(
-            f"packed deltas: num_tokens add up to {sum(packed.num_tokens)}, "
-            f"but there are {len(tokens)} token_ids"
+            f"packed deltas: {len(packed.request_ids)} request_ids, {len(packed.texts)} texts "
+            f"and {len(packed.num_tokens)} num_tokens adding up to {sum(packed.num_tokens)}, "
+            f"for {len(tokens)} token_ids"
         )
     at = 0
     for rid, text, count in zip(packed.request_ids, packed.texts, packed.num_tokens, strict=True):

@@ -99,5 +99,31 @@ def test_packed_deltas_stand_for_their_responses() -> None:
     ]
     assert all(r.choices[0].stop_token_id == -1 and not r.choices[0].finish_reason for r in got)
     packed.token_ids.append(10)
-    with pytest.raises(ValueError, match="num_tokens add up to 3"):
-        list(packed_responses(packed))
+    with pytest.raises(ValueError, match="adding up to 3, for 4 token_ids"):
+        next(packed_responses(packed))
+    del packed.token_ids[-1]
+    packed.texts.append("D")
+    with pytest.raises(ValueError, match="3 request_ids, 4 texts"):
+        next(packed_responses(packed))  # before the first entry is yielded
+
+
+def test_errors_and_ends_go_with_the_message_they_belong_to() -> None:
+    async def go() -> None:
+        box = CallOutbox()
+        box.delta("a", [1], "x")
+        box.fail("b", ValueError("boom"))
+        resp = box.add("c")
+        resp.choices.add(text="y")
+        box.sent("c", last=True)
+        box.add("a").choices.add(text="z")  # after its packed delta: a new message
+        box.sent("a", last=True)
+        messages, ended = await box.take()
+        assert ended == ["b", "c", "a"]
+        assert [_read(m) for m in messages] == [[("c", "y"), ("a", "x")], [("a", "z")]]
+        assert [(e.request_id, e.code) for e in messages[0].errors] == [("b", "INTERNAL")]
+        assert not messages[1].errors
+        assert box.empty
+        box.wake()  # woken with nothing to send: no message
+        assert await box.take() == ([], [])
+
+    asyncio.run(go())

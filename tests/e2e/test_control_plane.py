@@ -243,8 +243,8 @@ class _ManyCall:
         self._out: queue.Queue[pb.GenerateManyRequest | None] = queue.Queue()
         self.call = stub.GenerateMany(iter(self._out.get, None), timeout=300)
 
-    def start(self, rid: str, request: pb.GenerateRequest) -> None:
-        start = pb.GenerateManyRequest(start=request)
+    def start(self, rid: str, request: pb.GenerateRequest, packed: bool = False) -> None:
+        start = pb.GenerateManyRequest(start=request, accept_packed=packed)
         start.start.request_id = rid
         self._out.put(start)
 
@@ -264,7 +264,7 @@ def test_generate_many_interleaves_requests_on_one_call(stub, alone) -> None:  #
     many = _ManyCall(stub)
     prompts = _prompts()
     for i, p in enumerate(prompts):
-        many.start(f"r{i}", greedy(p, MAX_TOKENS))
+        many.start(f"r{i}", greedy(p, MAX_TOKENS), packed=True)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     admitted: set[str] = set()
     ended: set[str] = set()
@@ -317,6 +317,7 @@ def test_generate_many_errors_and_cancels_touch_only_their_request(stub, alone) 
     long_after_cancel = 0
     while len(tokens) < MAX_TOKENS or not cancelled or len(errors) < 4:
         msg = many.read()
+        assert not msg.packed.request_ids  # not asked for: every delta is a response
         for e in msg.errors:
             assert e.request_id not in errors or e.request_id == "good"
             errors.setdefault(e.request_id, e)
