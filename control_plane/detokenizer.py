@@ -13,7 +13,6 @@ from control_plane.tokenizer import TokenizerWrapper
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: TokenizerWrapper, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
         self._bytes = tokenizer.bytes_table(skip_special_tokens)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._decode = self._decoder.decode

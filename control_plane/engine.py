@@ -317,7 +317,6 @@ class ControlEngine:
                 if ready is not None:  # no step to overlap with: emit now, then look again
                     self._emit(*ready)
                     ready = None
-                    self._observe_pool()
                     continue
                 if self._lost:
                     self._lost = False
@@ -429,7 +428,9 @@ class ControlEngine:
                 stream.num_cached_tokens = req.num_cached_tokens
             choice.sent = True
             box = stream.pack_into if live else None
-            if box is not None and not choice.stop.stop:  # the common case: text, packed
+            # The common case, packed; inlined rather than through new_text (a call per
+            # token costs ~0.05 ms a step at 256).
+            if box is not None and not choice.stop.stop:
                 push = choice.detok.push
                 text = push(token) if len(pending) == 1 else "".join(map(push, pending))
                 box.delta(stream.client_id, pending, text)

@@ -70,7 +70,7 @@ class CallOutbox:
         self._packed_texts: list[str] = []
         self._packed_counts: list[int] = []
         self._packed_tokens: list[int] = []
-        self._packed_set: set[str] = set()
+        self._packed_set: set[str] = set()  # _packed_ids as a set, for `add`'s check
 
     def _close_message(self) -> None:
         self._closed.append(self._finish_message())
@@ -86,11 +86,14 @@ class CallOutbox:
             packed.token_ids.extend(self._packed_tokens)
         return message
 
+    def _holds_something(self) -> bool:
+        m = self.message
+        return bool(m.responses or m.errors or self._packed_ids)
+
     @property
     def empty(self) -> bool:
         """Nothing to write: the current message holds nothing and none is closed."""
-        m = self.message
-        return not (self._closed or m.responses or m.errors or self._packed_ids)
+        return not (self._closed or self._holds_something())
 
     def add(self, request_id: str) -> pb.GenerateResponse:
         if request_id in self._packed_set:
@@ -131,8 +134,7 @@ class CallOutbox:
         await self._ready.wait()
         self._ready.clear()
         messages = self._closed
-        m = self.message
-        if m.responses or m.errors or self._packed_ids:
+        if self._holds_something():
             messages.append(self._finish_message())
         ended = self.ended
         self._closed, self.ended = [], []
