@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import online
+from benchmarks.workload import PRESETS, make_workload
 
 
 def test_chunked_prefill_workload_is_three_quarters_long_prompts() -> None:
@@ -78,3 +79,16 @@ def test_rate_sweep_and_prefix_comparison_end_to_end(tmp_path: Path) -> None:
     assert [r["prefix_caching"] for r in report["runs"]] == [True, False]
     assert all(r["completed"] == 3 for r in report["runs"])
     assert report["ttft_p50_ratio_off_vs_on"] > 1  # the cached prefix is not recomputed
+
+
+@pytest.mark.parametrize(
+    ("preset", "count", "prompts", "outputs"),
+    [("default", 64, (32, 512), (32, 256)), ("gpu", 256, (100, 1024), (100, 1024))],
+)
+def test_offline_presets_are_the_issues_workloads(preset, count, prompts, outputs) -> None:  # type: ignore[no-untyped-def]
+    work = make_workload(PRESETS[preset], seed=0)
+    assert len(work) == count
+    assert all(prompts[0] <= len(r.prompt) <= prompts[1] for r in work)
+    assert all(outputs[0] <= r.output_len <= outputs[1] for r in work)
+    assert work == make_workload(PRESETS[preset], seed=0)  # seeded: the same every run
+    assert work != make_workload(PRESETS[preset], seed=1)
