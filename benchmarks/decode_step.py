@@ -36,7 +36,7 @@ from compute_plane.attention_cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
 from compute_plane.loader import load_model
 from compute_plane.model import Model, onednn_linear
-from hetero_infer.model_path import resolve_model_path
+from hetero_common.model_path import resolve_model_path
 
 LINEARS = {"mkl": F.linear, "onednn": onednn_linear}
 CATEGORIES = {

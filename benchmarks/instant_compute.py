@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from hetero_infer.grpc_health import HealthReporter
+from hetero_common.grpc_health import HealthReporter
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 

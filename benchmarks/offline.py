@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.workload import PRESETS, Request, machine, make_workload, preset_dict
-from hetero_infer.model_path import resolve_model_path
+from hetero_common.model_path import resolve_model_path
 
 if TYPE_CHECKING:
     from hetero_infer.offline import OfflineLLM

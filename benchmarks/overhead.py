@@ -38,8 +38,8 @@ from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.server import CallOutbox
 from control_plane.tokenizer import load_tokenizer
+from hetero_common.model_path import bundled_gguf
 from hetero_infer.local import child, free_port, stop_process, wait_serving
-from hetero_infer.model_path import bundled_gguf
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc

@@ -5,19 +5,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from hetero_infer.tls import ServerTLS
+from hetero_common.server_config import GrpcServerConfig
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
-@dataclass
-class ComputeConfig:
+@dataclass(frozen=True)
+class ComputeConfig(GrpcServerConfig):
     model: str = field(
         default="default",
         metadata={"help": "HF folder, .gguf file, or 'default' (bundled SmolLM2-135M-Instruct)"},
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind the gRPC server to"})
     port: int = field(default=50052, metadata={"help": "gRPC port"})
     device: str = field(
         default="auto",
@@ -71,27 +70,9 @@ class ComputeConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )
-    drain_timeout: float = field(
-        default=30.0,
-        metadata={"help": "on SIGTERM: seconds to finish in-flight requests before exiting"},
-    )
-    tls_cert: str | None = field(
-        default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"}
-    )
-    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
-    tls_client_ca: str | None = field(
-        default=None,
-        metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"},
-    )
-
-    @property
-    def tls(self) -> ServerTLS:
-        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
 
     def __post_init__(self) -> None:
-        self.tls  # noqa: B018 -- validates the TLS flags
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        super().__post_init__()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -115,5 +96,3 @@ class ComputeConfig:
             raise ValueError(f"kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")

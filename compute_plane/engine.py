@@ -29,7 +29,7 @@ from compute_plane.kv_cache import KVCache, num_blocks_for_budget
 from compute_plane.loader import LoadedModel
 from compute_plane.model import Model
 from compute_plane.sampler import sample
-from compute_plane.sampling_params import SamplingSpec
+from hetero_common.sampling_params import SamplingSpec
 from hetero_proto import compute_pb2 as pb
 
 log = logging.getLogger(__name__)

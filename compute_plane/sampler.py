@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compute_plane.sampling_params import SamplingSpec
+from hetero_common.sampling_params import SamplingSpec
 
 __all__ = ["SampleOutput", "SamplingSpec", "sample"]
 

@@ -27,7 +27,7 @@ import prometheus_client
 from compute_plane import metrics
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, StepRejected
-from hetero_infer.grpc_health import HealthReporter
+from hetero_common.grpc_health import HealthReporter
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 
@@ -106,7 +106,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
 async def serve(config: ComputeConfig) -> None:
     """Listen, load the model, mark SERVING, and run until SIGINT/SIGTERM."""
     from compute_plane.loader import load_model  # heavy imports after the port is bound
-    from hetero_infer.model_path import resolve_model_path
+    from hetero_common.model_path import resolve_model_path
 
     server = grpc.aio.server()
     servicer = ComputeServicer()

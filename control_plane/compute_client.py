@@ -11,7 +11,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hetero_infer.tls import ClientTLS
+from hetero_common.tls import ClientTLS
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 

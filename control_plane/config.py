@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hetero_infer.tls import ClientTLS, ServerTLS
+from hetero_common.server_config import GrpcServerConfig
+from hetero_common.tls import ClientTLS
 
 
-@dataclass
-class ControlConfig:
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind the gRPC server to"})
+@dataclass(frozen=True)
+class ControlConfig(GrpcServerConfig):
     port: int = field(default=50051, metadata={"help": "gRPC port of the public API"})
     compute: str = field(
         default="127.0.0.1:50052", metadata={"help": "compute plane address HOST:PORT"}
@@ -48,18 +48,6 @@ class ControlConfig:
             "N > 1 cuts the per-token cost of streaming at high concurrency"
         },
     )
-    drain_timeout: float = field(
-        default=30.0,
-        metadata={"help": "on SIGTERM: seconds to finish in-flight requests before exiting"},
-    )
-    tls_cert: str | None = field(
-        default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"}
-    )
-    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of --tls-cert"})
-    tls_client_ca: str | None = field(
-        default=None,
-        metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"},
-    )
     compute_tls_ca: str | None = field(
         default=None,
         metadata={"help": "PEM CA bundle: dial the compute plane over TLS, verified by it"},
@@ -72,19 +60,14 @@ class ControlConfig:
     )
 
     @property
-    def tls(self) -> ServerTLS:
-        return ServerTLS(self.tls_cert, self.tls_key, self.tls_client_ca)
-
-    @property
     def compute_tls(self) -> ClientTLS:
         return ClientTLS(
             self.compute_tls_ca, self.compute_tls_cert, self.compute_tls_key, "compute-tls"
         )
 
     def __post_init__(self) -> None:
-        self.tls, self.compute_tls  # noqa: B018 -- validates the TLS flags
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        super().__post_init__()
+        self.compute_tls  # noqa: B018 -- validates the TLS flags
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -94,5 +77,3 @@ class ControlConfig:
             raise ValueError(
                 f"max_num_blocks must be >= 2 (block 0 is reserved), got {self.max_num_blocks}"
             )
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -14,7 +14,6 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
-from compute_plane.sampling_params import SamplingSpec
 from control_plane import metrics
 from control_plane.compute_client import (
     ComputeClient,
@@ -30,7 +29,8 @@ from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
 from control_plane.stop import StopChecker
 from control_plane.tokenizer import TokenizerWrapper
-from hetero_infer.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
+from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
+from hetero_common.sampling_params import SamplingSpec
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 

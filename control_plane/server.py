@@ -24,8 +24,9 @@ from control_plane.engine import ComputeUnavailable, ControlEngine
 from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError, QueueFullError
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
-from hetero_infer.grpc_health import HealthReporter
-from hetero_infer.model_path import model_display_name, resolve_model_path
+from hetero_common.grpc_health import HealthReporter
+from hetero_common.model_path import model_display_name, resolve_model_path
+from hetero_common.packed import PackedDeltaWriter
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -66,11 +67,7 @@ class CallOutbox:
 
     def _new_message(self) -> None:
         self.message = pb.GenerateManyResponse()
-        self._packed_ids: list[str] = []
-        self._packed_texts: list[str] = []
-        self._packed_counts: list[int] = []
-        self._packed_tokens: list[int] = []
-        self._packed_set: set[str] = set()  # _packed_ids as a set, for `add`'s check
+        self._packed = PackedDeltaWriter()
 
     def _close_message(self) -> None:
         self._closed.append(self._finish_message())
@@ -78,17 +75,13 @@ class CallOutbox:
 
     def _finish_message(self) -> pb.GenerateManyResponse:
         message = self.message
-        if self._packed_ids:
-            packed = message.packed
-            packed.request_ids.extend(self._packed_ids)
-            packed.texts.extend(self._packed_texts)
-            packed.num_tokens.extend(self._packed_counts)
-            packed.token_ids.extend(self._packed_tokens)
+        if self._packed:
+            self._packed.write(message.packed)
         return message
 
     def _holds_something(self) -> bool:
         m = self.message
-        return bool(m.responses or m.errors or self._packed_ids)
+        return bool(m.responses or m.errors or self._packed)
 
     @property
     def empty(self) -> bool:
@@ -96,21 +89,16 @@ class CallOutbox:
         return not (self._closed or self._holds_something())
 
     def add(self, request_id: str) -> pb.GenerateResponse:
-        if request_id in self._packed_set:
+        if request_id in self._packed.seen:
             self._close_message()
         resp = self.message.responses.add()  # then set: add(**kwargs) is slower
         resp.request_id = request_id
         return resp
 
     def delta(self, request_id: str, token_ids: list[int], text: str) -> None:
-        ids = self._packed_ids
-        if not ids:  # the first of this message (the event stays set until `take`)
+        if not self._packed:  # the first of this message (the event stays set until `take`)
             self._ready.set()
-        ids.append(request_id)
-        self._packed_texts.append(text)
-        self._packed_counts.append(len(token_ids))
-        self._packed_tokens += token_ids
-        self._packed_set.add(request_id)
+        self._packed.add(request_id, token_ids, text)
 
     def sent(self, request_id: str, last: bool) -> None:
         if last:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from hetero_infer.tls import ClientTLS
+from hetero_common.server_config import ServerConfig
+from hetero_common.tls import ClientTLS
 
 API_KEY_ENV = "HETERO_API_KEY"
 
 
-@dataclass
-class GatewayConfig:
-    host: str = field(default="127.0.0.1", metadata={"help": "address to bind the HTTP server to"})
+@dataclass(frozen=True)
+class GatewayConfig(ServerConfig):
     port: int = field(default=8000, metadata={"help": "HTTP port of the OpenAI API"})
     control: str = field(
         default="127.0.0.1:50051", metadata={"help": "control plane address HOST:PORT"}
@@ -30,11 +30,6 @@ class GatewayConfig:
     )
     max_body_bytes: int = field(
         default=2 << 20, metadata={"help": "largest accepted request body (larger: HTTP 413)"}
-    )
-
-    drain_timeout: float = field(
-        default=30.0,
-        metadata={"help": "on SIGTERM: seconds to finish in-flight requests before exiting"},
     )
     control_tls_ca: str | None = field(
         default=None,
@@ -54,13 +49,10 @@ class GatewayConfig:
         )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.control_tls  # noqa: B018 -- validates the TLS flags
-        if self.drain_timeout < 0:
-            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
-        if self.api_key is None:
-            self.api_key = os.environ.get(API_KEY_ENV) or None
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.api_key is None:  # frozen: set once, here
+            object.__setattr__(self, "api_key", os.environ.get(API_KEY_ENV) or None)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.request_timeout <= 0:

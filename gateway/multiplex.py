@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.errors import APIError, from_code, from_grpc
-from hetero_infer.limits import MAX_GRPC_MESSAGE_BYTES
-from hetero_infer.packed import packed_responses
+from hetero_common.limits import MAX_GRPC_MESSAGE_BYTES
+from hetero_common.packed import packed_responses
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 

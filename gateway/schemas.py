@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hetero_infer.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
+from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
 
 INT32 = 2**31  # counts and token ids travel as int32 in control.proto
 TokenId = Annotated[int, Field(ge=0, lt=INT32)]
@@ -71,7 +71,7 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -112,7 +112,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 

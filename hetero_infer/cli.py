@@ -18,6 +18,12 @@ def _compute_plane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_compute_plane(args: argparse.Namespace) -> int:
+    raise ValueError(
+        "this installation has no compute plane (the planes image); use a compute image"
+    )
+
+
 def _control_plane(args: argparse.Namespace) -> int:
     from control_plane.config import ControlConfig
     from control_plane.server import serve
@@ -73,7 +79,6 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from compute_plane.config import ComputeConfig
     from control_plane.config import ControlConfig
     from gateway.config import GatewayConfig
 
@@ -82,8 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("compute-plane", help="serve the model over compute.proto (gRPC)")
-    add_dataclass_arguments(p, ComputeConfig)
-    p.set_defaults(func=_compute_plane)
+    try:
+        from compute_plane.config import ComputeConfig
+    except ModuleNotFoundError:  # the planes image ships no compute plane
+        p.set_defaults(func=_no_compute_plane)
+    else:
+        add_dataclass_arguments(p, ComputeConfig)
+        p.set_defaults(func=_compute_plane)
 
     p = sub.add_parser("control-plane", help="serve control.proto, driving a compute plane")
     add_dataclass_arguments(p, ControlConfig)

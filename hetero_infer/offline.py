@@ -21,7 +21,7 @@ from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
 from control_plane.tokenizer import load_tokenizer
-from hetero_infer.model_path import resolve_model_path
+from hetero_common.model_path import resolve_model_path
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_infer.model_path import bundled_gguf
+from hetero_common.model_path import bundled_gguf
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 

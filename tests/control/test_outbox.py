@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control_plane.server import CallOutbox
-from hetero_infer.packed import packed_responses
+from hetero_common.packed import packed_responses
 from hetero_proto import control_pb2 as pb
 
 # A step: for each request that produced something, True for a packed delta and False

@@ -23,8 +23,8 @@ from compute_plane.config import ComputeConfig
 from control_plane.config import ControlConfig
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from hetero_common.grpc_health import LIVENESS
 from hetero_infer.cli import build_parser
-from hetero_infer.grpc_health import LIVENESS
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

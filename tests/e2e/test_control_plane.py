@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from hetero_infer.packed import packed_responses
+from hetero_common.packed import packed_responses
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import compute_pb2_grpc as cpb_grpc
 from hetero_proto import control_pb2 as pb

@@ -1,4 +1,5 @@
-"""Reading the packed deltas of a GenerateManyResponse (see control.proto, PackedDeltas).
+"""Packed deltas of a GenerateManyResponse (see control.proto, PackedDeltas): the writer
+the control plane fills and the reader a client uses, side by side.
 
 for resp in message.responses: ...          # first the full responses,
 for resp in packed_responses(message.packed):  # then the packed deltas, as responses
@@ -10,6 +11,36 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from hetero_proto import control_pb2 as pb
+
+
+class PackedDeltaWriter:
+    """Plain deltas (choice 0, text and tokens, not the last) gathered as parallel lists,
+    written into one message's `packed` field at the end."""
+
+    __slots__ = ("counts", "request_ids", "seen", "texts", "tokens")
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.texts: list[str] = []
+        self.counts: list[int] = []
+        self.tokens: list[int] = []
+        self.seen: set[str] = set()  # request_ids as a set
+
+    def __bool__(self) -> bool:
+        return bool(self.request_ids)
+
+    def add(self, request_id: str, token_ids: list[int], text: str) -> None:
+        self.request_ids.append(request_id)
+        self.texts.append(text)
+        self.counts.append(len(token_ids))
+        self.tokens += token_ids
+        self.seen.add(request_id)
+
+    def write(self, packed: pb.PackedDeltas) -> None:
+        packed.request_ids.extend(self.request_ids)
+        packed.texts.extend(self.texts)
+        packed.num_tokens.extend(self.counts)
+        packed.token_ids.extend(self.tokens)
 
 
 def packed_responses(packed: pb.PackedDeltas) -> Iterator[pb.GenerateResponse]:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hetero_common.limits import MAX_TOP_LOGPROBS
 from hetero_proto import compute_pb2 as pb
-
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
