@@ -32,6 +32,7 @@ def test_offline_ours_vs_hf_tiny(tmp_path: Path) -> None:
 
 
 def test_online_load_generator_tiny(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plots need the bench extra (matplotlib)")
     out = tmp_path / "online.json"
     report = online.main(
         [

