@@ -160,7 +160,9 @@ async def run(
     waste: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        bar = tqdm(total=len(work), disable=not progress, desc=f"{arrival} rate={rate}")
+        bar = tqdm(
+            total=len(work), disable=None if progress else True, desc=f"{arrival} rate={rate}"
+        )
 
         async def limited(r: Request) -> Sample:
             async with limit:

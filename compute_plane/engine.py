@@ -29,10 +29,18 @@ from compute_plane.kv_cache import KVCache, num_blocks_for_budget
 from compute_plane.loader import LoadedModel
 from compute_plane.model import Model
 from compute_plane.sampler import sample
+from hetero_common.logs import split_choice_id
 from hetero_common.sampling_params import SamplingSpec
 from hetero_proto import compute_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+def _log_request(message: str, choice_id: str) -> None:
+    """A per-request line: `request_id` is the client's id (see hetero_common.logs)."""
+    if log.isEnabledFor(logging.INFO):
+        request_id, choice = split_choice_id(choice_id)
+        log.info(message, extra={"request_id": request_id, "choice": choice})
 
 
 class StepRejected(Exception):
@@ -189,9 +197,12 @@ class Engine:
         """Run one step. Raises StepRejected (no state changed) for a malformed step."""
         rows = self._validate(req)
         for rid in req.finished_ids:
-            self.requests.pop(rid, None)
+            if self.requests.pop(rid, None) is not None:
+                _log_request("request released", rid)
         for rid, state, _ in rows:
             self.requests[rid] = state  # new requests; continuing ones are already there
+        for n in req.new_requests:
+            _log_request(f"request added: {len(n.token_ids)} tokens", n.request_id)
         for c in req.continuing:
             self.requests[c.request_id].block_ids.extend(c.new_block_ids)
         result = pb.StepResult(step_id=req.step_id)

@@ -30,6 +30,7 @@ from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, S
 from control_plane.stop import StopChecker
 from control_plane.tokenizer import TokenizerWrapper
 from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
+from hetero_common.logs import choice_request_id, valid_request_id
 from hetero_common.sampling_params import SamplingSpec
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
@@ -142,8 +143,13 @@ class ControlEngine:
         outbox: Outbox | None = None,
         client_id: str = "",
         packed: bool = False,
+        request_id: str = "",
     ) -> GenerateStream:
         """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable.
+
+        `request_id` (the client's, e.g. the gateway's X-Request-Id) names the request in
+        the logs of this plane and the compute plane: it is the stream's id when no
+        running stream has it (choices are `<id>-<i>` toward the compute plane).
 
         Its responses go to the stream's queue, or with `outbox` into that GenerateMany
         call's next message under `client_id`; with `packed` (the client reads packed
@@ -181,7 +187,8 @@ class ControlEngine:
         eos_ids = set(self.tokenizer.eos_token_ids) | set(
             self.description.eos_token_ids if self.description else ()
         )
-        stream_id = uuid.uuid4().hex
+        usable = valid_request_id(request_id) and request_id not in self.streams
+        stream_id = request_id if usable else uuid.uuid4().hex
         stream = GenerateStream(
             stream_id, list(prompt_ids), [], self.tokenizer, outbox=outbox, client_id=client_id
         )
@@ -208,7 +215,7 @@ class ControlEngine:
             if problem:
                 raise AdmissionError(problem)
             req = Request(
-                request_id=f"{stream_id}-{i}",
+                request_id=choice_request_id(stream_id, i),
                 prompt_token_ids=list(prompt_ids),
                 max_tokens=max_tokens,
                 sampling=sampling,
@@ -237,6 +244,13 @@ class ControlEngine:
         ):
             stream.pack_into = outbox
         self.streams[stream_id] = stream
+        log.info(
+            "request admitted: %d prompt tokens, %d choices, max_tokens %d",
+            len(prompt_ids),
+            n,
+            max_tokens,
+            extra={"request_id": stream_id},
+        )
         metrics.prompt_tokens.labels(**self.labels).inc(len(prompt_ids))
         for c in stream.choices:
             self.choices[c.request.request_id] = (stream, c)
@@ -470,6 +484,14 @@ class ControlEngine:
         m = self.labels
         first = stream.choices[0].request
         reason = first.status.value
+        log.info(
+            "request finished (%s): %d prompt tokens, %d generated in %.3f s",
+            reason,
+            len(stream.prompt_token_ids),
+            sum(c.request.num_output_tokens for c in stream.choices),
+            now - stream.arrival_time,
+            extra={"request_id": stream.stream_id},
+        )
         metrics.request_success.labels(finished_reason=reason, **m).inc()
         metrics.e2e.labels(**m).observe(now - stream.arrival_time)
         scheduled = min((c.request.first_scheduled_time or now) for c in stream.choices)

@@ -174,7 +174,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
-            stream = self.engine.submit(prompt_ids, request.params)
+            stream = self.engine.submit(prompt_ids, request.params, request_id=request.request_id)
         except Exception as e:
             code = status_for(e)
             if code is None:
@@ -213,7 +213,12 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 if starting.get(rid) is not token:
                     return  # cancelled while tokenising (its id may have been reused since)
                 running[rid] = self.engine.submit(
-                    prompt_ids, request.params, outbox=outbox, client_id=rid, packed=packed
+                    prompt_ids,
+                    request.params,
+                    outbox=outbox,
+                    client_id=rid,
+                    packed=packed,
+                    request_id=rid,
                 )
             except Exception as e:
                 if starting.get(rid) is not token:

@@ -32,6 +32,7 @@ from gateway.generation import (
 )
 from gateway.metrics import instrument
 from gateway.multiplex import Multiplexer
+from gateway.request_id import RequestIdMiddleware
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -157,7 +158,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     if config.api_key:
         require_api_key(app, config.api_key)
-    instrument(app)  # added last, so outermost: 401s are counted too
+    instrument(app)  # added after the others, so outside them: 401s are counted too
+    app.add_middleware(RequestIdMiddleware)  # outermost: every response has an id
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -445,6 +447,7 @@ async def serve(config: GatewayConfig) -> None:
             host=config.host,
             port=config.port,
             log_level="info",
+            log_config=None,  # uvicorn's loggers go through the process's handler (--log-format)
             lifespan="on",
             # SIGTERM: stop accepting connections, finish in-flight requests (streams too).
             timeout_graceful_shutdown=math.ceil(config.drain_timeout),

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import functools
 import sys
 
+from hetero_common.logs import LOG_FORMATS, setup_logging
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
 
 
@@ -75,7 +76,10 @@ def _serve(args: argparse.Namespace) -> int:
     """Compute plane, control plane and gateway as three processes on loopback."""
     from hetero_infer.local import serve_stack
 
-    return serve_stack(args.model, args.host, args.port, list(args.compute_arg or []))
+    log_args = ("--log-level", args.log_level, "--log-format", args.log_format)
+    return serve_stack(
+        args.model, args.host, args.port, list(args.compute_arg or []), log_args=log_args
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,10 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.config import GatewayConfig
 
     parser = argparse.ArgumentParser(prog="hetero-infer", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    _add_log_flags(parser, defaults=True)
+    # The same flags after the subcommand (`hetero-infer serve --log-format json`).
+    common = argparse.ArgumentParser(add_help=False)
+    _add_log_flags(common, defaults=False)
     sub = parser.add_subparsers(dest="command", required=True)
+    add = functools.partial(sub.add_parser, parents=[common])
 
-    p = sub.add_parser("compute-plane", help="serve the model over compute.proto (gRPC)")
+    p = add("compute-plane", help="serve the model over compute.proto (gRPC)")
     try:
         from compute_plane.config import ComputeConfig
     except ModuleNotFoundError:  # the planes image ships no compute plane
@@ -95,11 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_dataclass_arguments(p, ComputeConfig)
         p.set_defaults(func=_compute_plane)
 
-    p = sub.add_parser("control-plane", help="serve control.proto, driving a compute plane")
+    p = add("control-plane", help="serve control.proto, driving a compute plane")
     add_dataclass_arguments(p, ControlConfig)
     p.set_defaults(func=_control_plane)
 
-    p = sub.add_parser("generate", help="run both planes locally and stream one completion")
+    p = add("generate", help="run both planes locally and stream one completion")
     p.add_argument("prompt")
     p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -109,11 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="show the planes' logs")
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("gateway", help="serve the OpenAI HTTP API in front of a control plane")
+    p = add("gateway", help="serve the OpenAI HTTP API in front of a control plane")
     add_dataclass_arguments(p, GatewayConfig)
     p.set_defaults(func=_gateway)
 
-    p = sub.add_parser("serve", help="start compute plane, control plane and gateway locally")
+    p = add("serve", help="start compute plane, control plane and gateway locally")
     p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
@@ -126,11 +134,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_log_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--log-level / --log-format; after a subcommand they override the ones before it."""
+    level, fmt = ("INFO", "text") if defaults else (argparse.SUPPRESS, argparse.SUPPRESS)
+    parser.add_argument("--log-level", default=level, help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-format",
+        default=fmt,
+        choices=LOG_FORMATS,
+        help="text, or json: one JSON object per line with the request id (log collectors)",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(args.log_level, args.log_format)
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:

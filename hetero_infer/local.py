@@ -87,17 +87,20 @@ def local_planes(
     quiet: bool = True,
     extra_compute: tuple[str, ...] = (),
     metrics_ports: tuple[int, int] | None = None,
+    log_args: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports; yields the control plane address.
 
     metrics_ports: the (compute, control) /metrics ports; default: free ones.
+    log_args: --log-level / --log-format flags for both.
     """
     cport, kport = free_port(), free_port()
     kmetrics, cmetrics = metrics_ports or (free_port(), free_port())
     compute = f"127.0.0.1:{kport}"
     control = f"127.0.0.1:{cport}"
-    compute_args = ["compute-plane", "--model", model, "--port", str(kport)]
-    control_args = ["control-plane", "--model", model, "--port", str(cport), "--compute", compute]
+    compute_args = ["compute-plane", *log_args, "--model", model, "--port", str(kport)]
+    control_args = ["control-plane", *log_args, "--model", model, "--port", str(cport)]
+    control_args += ["--compute", compute]
     with (
         child([*compute_args, "--metrics-port", str(kmetrics), *extra_compute], compute, quiet),
         child([*control_args, "--metrics-port", str(cmetrics)], control, quiet),
@@ -123,7 +126,9 @@ def wait_http_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
-def serve_stack(model: str, host: str, port: int, compute_args: list[str]) -> int:
+def serve_stack(
+    model: str, host: str, port: int, compute_args: list[str], log_args: tuple[str, ...] = ()
+) -> int:
     """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready."""
     stop = False
 
@@ -135,7 +140,11 @@ def serve_stack(model: str, host: str, port: int, compute_args: list[str]) -> in
     signal.signal(signal.SIGINT, on_signal)
     metrics = (8002, 8001)  # the defaults of compute-plane and control-plane
     with local_planes(
-        model, quiet=False, extra_compute=tuple(compute_args), metrics_ports=metrics
+        model,
+        quiet=False,
+        extra_compute=tuple(compute_args),
+        metrics_ports=metrics,
+        log_args=log_args,
     ) as control:
         gw = subprocess.Popen(
             [
@@ -143,6 +152,7 @@ def serve_stack(model: str, host: str, port: int, compute_args: list[str]) -> in
                 "-m",
                 "hetero_infer.cli",
                 "gateway",
+                *log_args,
                 "--host",
                 host,
                 "--port",

@@ -29,6 +29,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a model folder (config.json + safetensors) or a .gguf file.
 
+    `progress`: a progress bar, drawn only where stderr is a terminal (not in pods).
+
     The weights come back under Hugging Face names, exactly the set the model uses
     (`lm_head.weight` may be absent when `config.tie_word_embeddings`).
     Raises ModelLoadError for missing/unreadable files or weights, and

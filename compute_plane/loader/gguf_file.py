@@ -82,7 +82,12 @@ def load_gguf(
     config = read_config(path, reader)
     n_kv = config.num_kv_heads
     weights: dict[str, torch.Tensor] = {}
-    bar = tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress)
+    bar = tqdm(
+        reader.tensors,
+        desc=f"loading {path.name}",
+        unit="tensor",
+        disable=None if progress else True,
+    )
     for t in bar:
         name = hf_name(t.name)
         if name is None:

@@ -38,7 +38,10 @@ def load_hf(
             total = sum(len(h.keys()) for h in handles)
             bar = stack.enter_context(
                 tqdm(
-                    total=total, desc=f"loading {folder.name}", unit="tensor", disable=not progress
+                    total=total,
+                    desc=f"loading {folder.name}",
+                    unit="tensor",
+                    disable=None if progress else True,
                 )
             )
             for h in handles:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +71,61 @@ def test_no_prompt_or_output_in_logs(tmp_path: Path) -> None:
         for out in outputs:
             snippet = out.strip()[:40]
             assert len(snippet) < 12 or snippet not in log, f"{name} logged an output: {snippet!r}"
+
+
+def test_json_logs_carry_one_request_id_through_three_planes(tmp_path: Path) -> None:
+    """--log-format json: every stderr line of every plane is a JSON object, and the
+    client's X-Request-Id names the request in the gateway's, the control plane's and
+    the compute plane's lines, in the response header and in an error body."""
+    kport, cport, gport = free_port(), free_port(), free_port()
+    compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
+    json_logs = ["--log-format", "json"]  # after the subcommand, as `serve --log-format json`
+    planes = {
+        "compute": ["compute-plane", *json_logs, "--port", str(kport)],
+        "control": ["control-plane", *json_logs, "--port", str(cport), "--compute", compute],
+        "gateway": ["gateway", *json_logs, "--port", str(gport), "--control", control],
+    }
+    planes["compute"] += ["--kv-cache-bytes", str(64 << 20), "--metrics-port", str(free_port())]
+    planes["control"] += ["--metrics-port", str(free_port())]
+    rid, bad_rid = "trace-4b1d-0001", "trace-4b1d-0002"
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = {name: tmp_path / f"{name}.err" for name in planes}
+    try:
+        for name, args in planes.items():
+            with logs[name].open("wb") as err:
+                cmd = [sys.executable, "-m", "hetero_infer.cli", *args]
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err))
+            if name != "gateway":
+                wait_serving(compute if name == "compute" else control, procs[-1])
+        url = f"http://127.0.0.1:{gport}"
+        wait_http_ready(url + "/ready", procs[-1])
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        raw = client.chat.completions.with_raw_response.create(
+            model=model,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"X-Request-Id": rid},
+        )
+        assert raw.headers["x-request-id"] == rid
+        assert raw.parse().usage.completion_tokens == 4  # type: ignore[union-attr]
+        refused = httpx.post(
+            url + "/v1/completions",
+            json={"model": model, "prompt": "hi", "max_tokens": -1},
+            headers={"X-Request-Id": bad_rid},
+            timeout=30,
+        )
+        assert refused.status_code == 400
+        assert refused.headers["x-request-id"] == bad_rid
+        assert refused.json()["error"]["request_id"] == bad_rid
+        made = httpx.get(url + "/v1/models", timeout=30).headers["x-request-id"]
+        assert made and made not in (rid, bad_rid)  # one is made when none is given
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+    for name, path in logs.items():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        records = [json.loads(ln) for ln in lines]  # fails on any line that is not JSON
+        assert all({"ts", "level", "logger", "message"} <= r.keys() for r in records)
+        assert any(r.get("request_id") == rid for r in records), f"{name}: no line for {rid}"
