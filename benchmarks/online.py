@@ -140,7 +140,11 @@ def arrival_gaps(kind: str, n: int, rate: float, seed: int) -> Iterator[float]:
 
 def kv_waste(control: str) -> float | None:
     with grpc.insecure_channel(control) as ch:
-        st = pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=5).stats
+        st = (
+            pb_grpc.ControlPlaneStub(ch)
+            .ModelInfo(pb.ModelInfoRequest(detailed=True), timeout=5)
+            .stats
+        )
     if not st.num_kv_slots_allocated:
         return None
     return 1.0 - st.num_kv_slots_used / st.num_kv_slots_allocated

@@ -8,16 +8,32 @@ request with the same prefix reuses them instead of recomputing.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
-from control_plane.block_pool import Block, BlockPool, chain_hash
+from control_plane.block_pool import Block, BlockPool, IntegrityError, chain_hash
 from control_plane.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheStats:
+    """The pool at one moment: what metrics and ModelInfo report."""
+
+    num_free_blocks: int  # usable blocks no request holds (cached-free included)
+    num_usable_blocks: int  # all but the null block
+    prefix_queries: int  # prompt tokens looked up in the prefix cache, ever
+    prefix_hits: int  # of which found
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.tables: dict[str, list[Block]] = {}
+        self._tables: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already indexed
         self._last_hash: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
@@ -33,6 +49,23 @@ class BlockManager:
         """Fraction of usable blocks held by requests."""
         return 1.0 - self.pool.num_free / self.pool.num_usable
 
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            self.pool.num_free, self.pool.num_usable, self.prefix_queries, self.prefix_hits
+        )
+
+    def holds_blocks(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def has_free_slot(self, req: Request) -> bool:
+        """The request's next token fits a block it holds (no allocation needed)."""
+        return req.num_computed_tokens < len(self._tables[req.request_id]) * self.block_size
+
+    def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's prefix-cache lookup (once per request, not per resume)."""
+        self.prefix_queries += num_prompt_tokens
+        self.prefix_hits += num_hit_tokens
+
     def slot_usage(self, requests: Iterable[Request]) -> tuple[int, int]:
         """(slots holding a token, slots of the blocks they hold); shared blocks once.
 
@@ -43,13 +76,13 @@ class BlockManager:
         bs = self.block_size
         filled: dict[int, int] = {}
         for req in requests:
-            for i, block in enumerate(self.tables.get(req.request_id, ())):
+            for i, block in enumerate(self._tables.get(req.request_id, ())):
                 n = min(bs, max(0, req.num_tokens - i * bs))
                 filled[block.block_id] = max(n, filled.get(block.block_id, 0))
         return sum(filled.values()), len(filled) * bs
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, [])]
+        return [b.block_id for b in self._tables.get(request_id, [])]
 
     def find_prefix(self, req: Request) -> list[Block]:
         """Cached blocks holding a prefix of `req`, capped so at least one token is left to compute."""
@@ -76,7 +109,7 @@ class BlockManager:
         num_computed_tokens must already count them. None when the pool is short:
         then nothing changed.
         """
-        table = self.tables.get(req.request_id)
+        table = self._tables.get(req.request_id)
         held = len(table) if table is not None else len(prefix or ())
         need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - held
         if need <= 0 and table is not None:
@@ -87,7 +120,7 @@ class BlockManager:
             return None
         if table is None:
             self.pool.share(prefix)
-            table = self.tables[req.request_id] = list(prefix)
+            table = self._tables[req.request_id] = list(prefix)
             self._num_hashed[req.request_id] = len(prefix)
             self._last_hash[req.request_id] = prefix[-1].hash if prefix else 0
         new = self.pool.allocate(max(0, need)) or []
@@ -97,7 +130,7 @@ class BlockManager:
     def cache_computed(self, req: Request) -> None:
         """Index blocks that became full and computed (call after each step)."""
         rid = req.request_id
-        table = self.tables[rid]
+        table = self._tables[rid]
         bs = self.block_size
         done = self._num_hashed[rid]
         full = min(req.num_computed_tokens // bs, len(table))
@@ -117,11 +150,12 @@ class BlockManager:
         so the child recomputes that tail into a block of its own (copy-on-write by
         recompute). The child's num_computed_tokens is set to the shared length.
         """
-        assert child.request_id not in self.tables, "fork into a request that holds blocks"
+        if child.request_id in self._tables:
+            raise IntegrityError(f"fork into {child.request_id!r}, which holds blocks")
         n = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
-        shared = self.tables[parent.request_id][:n]
+        shared = self._tables[parent.request_id][:n]
         self.pool.share(shared)
-        self.tables[child.request_id] = list(shared)
+        self._tables[child.request_id] = list(shared)
         self._num_hashed[child.request_id] = 0
         self._last_hash[child.request_id] = 0
         child.num_computed_tokens = n * self.block_size
@@ -129,20 +163,24 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Give back the request's blocks, tail first so its last blocks are evicted first."""
-        table = self.tables.pop(req.request_id, None)
+        table = self._tables.pop(req.request_id, None)
         self._num_hashed.pop(req.request_id, None)
         self._last_hash.pop(req.request_id, None)
         if table:
             self.pool.release(table[::-1])
 
     def check_integrity(self) -> None:
-        """Pool consistency, and refcounts equal the number of tables holding each block."""
+        """Pool consistency, and refcounts equal the number of tables holding each block.
+
+        Walks every table: O(blocks + held blocks). Raises IntegrityError."""
         self.pool.check_integrity()
         holders = [0] * self.pool.num_blocks
-        for table in self.tables.values():
+        for table in self._tables.values():
             for b in table:
                 holders[b.block_id] += 1
         for b in self.pool.blocks:
-            assert b.ref_cnt == holders[b.block_id], (
-                f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {holders[b.block_id]} tables"
-            )
+            if b.ref_cnt != holders[b.block_id]:
+                raise IntegrityError(
+                    f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by "
+                    f"{holders[b.block_id]} tables"
+                )

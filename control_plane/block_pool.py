@@ -23,6 +23,10 @@ def chain_hash(parent: int, tokens: tuple[int, ...]) -> tuple[int, BlockHash]:
     return hash(key), key
 
 
+class IntegrityError(RuntimeError):
+    """The block pool's bookkeeping disagrees with itself (a bug, never bad input)."""
+
+
 @dataclass(eq=False, slots=True)
 class Block:
     block_id: int
@@ -33,7 +37,8 @@ class Block:
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        assert num_blocks >= 2, "block 0 is reserved; at least one usable block is needed"
+        if num_blocks < 2:
+            raise ValueError(f"{num_blocks} blocks: block 0 is reserved, at least 2 are needed")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -92,13 +97,19 @@ class BlockPool:
         return sum(1 for b in blocks if b.ref_cnt == 0)
 
     def check_integrity(self) -> None:
-        """free + in use == usable; the index and the free queue agree with the blocks."""
+        """free + in use == usable; the index and the free queue agree with the blocks.
+
+        Raises IntegrityError (a real check: it stays under `python -O`)."""
         in_use = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
-        assert self.blocks[0].ref_cnt == 0 and 0 not in self.free, "null block handed out"
-        assert in_use + len(self.free) == self.num_usable, (
-            f"{in_use} in use + {len(self.free)} free != {self.num_usable} usable blocks"
-        )
+        if self.blocks[0].ref_cnt != 0 or 0 in self.free:
+            raise IntegrityError("null block handed out")
+        if in_use + len(self.free) != self.num_usable:
+            raise IntegrityError(
+                f"{in_use} in use + {len(self.free)} free != {self.num_usable} usable blocks"
+            )
         for bid in self.free:
-            assert self.blocks[bid].ref_cnt == 0, f"free block {bid} has references"
+            if self.blocks[bid].ref_cnt != 0:
+                raise IntegrityError(f"free block {bid} has references")
         for key, b in self.cached.items():
-            assert b.key == key, f"cache index disagrees with block {b.block_id}"
+            if b.key != key:
+                raise IntegrityError(f"cache index disagrees with block {b.block_id}")

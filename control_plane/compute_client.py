@@ -59,12 +59,11 @@ class ComputeClient:
         self.stub = pb_grpc.ComputePlaneStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._run: grpc.aio.StreamStreamCall | None = None
-        self.description: pb.DescribeResponse | None = None
 
     async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse:
         """Describe the compute plane, drop any state it holds, and open the step stream."""
         try:
-            self.description = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+            description = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
             await self.stub.Reset(pb.ResetRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise ComputeLinkError(
@@ -73,7 +72,7 @@ class ComputeClient:
         if self._run is not None:
             self._run.cancel()
         self._run = self.stub.Run()
-        return self.description
+        return description
 
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
         """False when the compute plane refuses connections or reports NOT_SERVING.
@@ -113,9 +112,6 @@ class ComputeClient:
         if result.HasField("error"):
             raise StepFailed(result.error)
         return result
-
-    async def stats(self) -> pb.StatsResponse:
-        return await self.stub.Stats(pb.StatsRequest(), timeout=10.0)
 
     async def close(self) -> None:
         if self._run is not None:

@@ -11,8 +11,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import Counter
-from dataclasses import dataclass
 
 from control_plane import metrics
 from control_plane.compute_client import (
@@ -23,15 +21,13 @@ from control_plane.compute_client import (
     sampled_tokens,
 )
 from control_plane.config import ControlConfig
-from control_plane.detokenizer import IncrementalDetokenizer
+from control_plane.input_processor import InputProcessor, ModelBounds
+from control_plane.output_processor import OutputProcessor
 from control_plane.outputs import Choice, GenerateStream, Outbox
 from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
-from control_plane.stop import StopChecker
 from control_plane.tokenizer import TokenizerWrapper
-from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
-from hetero_common.logs import choice_request_id, valid_request_id
-from hetero_common.sampling_params import SamplingSpec
+from hetero_common.logs import valid_request_id
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -40,12 +36,6 @@ log = logging.getLogger(__name__)
 
 class ComputeUnavailable(RuntimeError):
     """No compute plane is attached."""
-
-
-@dataclass
-class ModelLimits:
-    max_model_len: int
-    vocab_size: int
 
 
 class _LoopMetrics:
@@ -70,11 +60,16 @@ class ControlEngine:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.inputs = InputProcessor(tokenizer)
         self.client: ComputeLink = link or ComputeClient(config.compute, config.compute_tls)
         self.scheduler: Scheduler | None = None
         self.description: cpb.DescribeResponse | None = None
-        self.streams: dict[str, GenerateStream] = {}
-        self.choices: dict[str, tuple[GenerateStream, Choice]] = {}
+        self.outputs = OutputProcessor(
+            config.stream_interval, self._finish_request, self._observe_finished
+        )
+        # The live streams and choices (the output processor's, shared).
+        self.streams: dict[str, GenerateStream] = self.outputs.streams
+        self.choices: dict[str, tuple[GenerateStream, Choice]] = self.outputs.choices
         self._wake = asyncio.Event()
         self._step_id = 0
         self._task: asyncio.Task[None] | None = None
@@ -131,6 +126,11 @@ class ControlEngine:
             max_len,
         )
 
+    def _bounds(self, sched: Scheduler) -> ModelBounds:
+        d = self.description
+        eos = set(self.tokenizer.eos_token_ids) | set(d.eos_token_ids if d else ())
+        return ModelBounds(sched.max_model_len, d.vocab_size if d else 0, frozenset(eos))
+
     def _set_model_label(self, name: str) -> None:
         self.labels = {"model_name": name}
         self._loop_metrics = _LoopMetrics(self.labels)
@@ -160,72 +160,15 @@ class ControlEngine:
             raise ComputeUnavailable("the control plane is shutting down")
         if sched is None or not self.attached.is_set():
             raise ComputeUnavailable("no compute plane is attached")
-        n = params.n or 1
-        if not 1 <= n <= MAX_N:
-            raise AdmissionError(f"n must be in 1..{MAX_N}, got {n}")
-        if params.max_tokens < 0 or params.min_tokens < 0:
-            raise AdmissionError("max_tokens and min_tokens must be >= 0")
-        if len(params.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
-            raise AdmissionError(
-                f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters"
-            )
-        if not prompt_ids:
-            raise AdmissionError("the prompt is empty")
-        if len(prompt_ids) >= sched.max_model_len:
-            raise AdmissionError(
-                f"the prompt has {len(prompt_ids)} tokens; the maximum context length is "
-                f"{sched.max_model_len} tokens, prompt and output together"
-            )
-        vocab = self.description.vocab_size if self.description else 0
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise AdmissionError(f"prompt token ids must be in 0..{vocab - 1}")
-        max_tokens = params.max_tokens or sched.max_model_len - len(prompt_ids)
-        if params.min_tokens > max_tokens:
-            raise AdmissionError(
-                f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})"
-            )
-        eos_ids = set(self.tokenizer.eos_token_ids) | set(
-            self.description.eos_token_ids if self.description else ()
-        )
+        bounds = self._bounds(sched)
+        max_tokens = self.inputs.check(prompt_ids, params, bounds)
+        sched.check_admission(len(prompt_ids), max_tokens)
         usable = valid_request_id(request_id) and request_id not in self.streams
         stream_id = request_id if usable else uuid.uuid4().hex
-        stream = GenerateStream(
-            stream_id, list(prompt_ids), [], self.tokenizer, outbox=outbox, client_id=client_id
+        stream = self.inputs.make_stream(
+            stream_id, prompt_ids, params, bounds, max_tokens, outbox, client_id
         )
-        for i in range(n):
-            sampling = cpb.SamplingParams(
-                temperature=params.temperature,
-                top_p=params.top_p or 1.0,
-                top_k=max(0, params.top_k),
-                min_p=params.min_p,
-                repetition_penalty=params.repetition_penalty or 1.0,
-                frequency_penalty=params.frequency_penalty,
-                presence_penalty=params.presence_penalty,
-                logprobs=params.logprobs,
-                top_logprobs=params.top_logprobs,
-            )
-            if params.min_tokens:
-                # The compute plane masks these until min_tokens tokens exist.
-                banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
-                sampling.min_tokens = params.min_tokens
-                sampling.min_tokens_banned_ids.extend(sorted(banned))
-            if params.HasField("seed"):
-                sampling.seed = (params.seed + i) % (1 << 64)
-            problem = SamplingSpec.from_proto(sampling).validate()
-            if problem:
-                raise AdmissionError(problem)
-            req = Request(
-                request_id=choice_request_id(stream_id, i),
-                prompt_token_ids=list(prompt_ids),
-                max_tokens=max_tokens,
-                sampling=sampling,
-                min_tokens=params.min_tokens,
-                ignore_eos=params.ignore_eos,
-                eos_token_ids=frozenset(eos_ids),
-                stop_token_ids=frozenset(params.stop_token_ids),
-            )
-            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            stream.choices.append(Choice(i, req, detok, StopChecker(list(params.stop))))
+        n = len(stream.choices)
         added: list[Request] = []
         try:
             first = stream.choices[0].request
@@ -243,7 +186,7 @@ class ControlEngine:
             and not (params.logprobs or params.top_logprobs)
         ):
             stream.pack_into = outbox
-        self.streams[stream_id] = stream
+        self.outputs.add(stream)
         log.info(
             "request admitted: %d prompt tokens, %d choices, max_tokens %d",
             len(prompt_ids),
@@ -252,8 +195,6 @@ class ControlEngine:
             extra={"request_id": stream_id},
         )
         metrics.prompt_tokens.labels(**self.labels).inc(len(prompt_ids))
-        for c in stream.choices:
-            self.choices[c.request.request_id] = (stream, c)
         # The first message says "admitted" at once, before any token: a gateway can then
         # send its HTTP head knowing the request was not refused.
         admitted = stream.new_response()
@@ -264,10 +205,9 @@ class ControlEngine:
 
     def abort(self, stream: GenerateStream) -> None:
         """Cancel a stream's unfinished choices now; their blocks are freed at once."""
-        if self.streams.pop(stream.stream_id, None) is None:
+        if not self.outputs.remove(stream):
             return
         for c in stream.choices:
-            self.choices.pop(c.request.request_id, None)
             if not c.finished and self.scheduler is not None:
                 self.scheduler.abort(c.request.request_id)
         self._wake.set()
@@ -362,15 +302,15 @@ class ControlEngine:
         if sched is None:
             return
         m = self.labels
-        bm = sched.block_manager
+        st = sched.make_stats()
         lm = self._loop_metrics
-        lm.running.set(len(sched.running))
-        lm.waiting.set(len(sched.waiting))
-        lm.kv_usage.set(bm.usage)
+        lm.running.set(st.num_running)
+        lm.waiting.set(st.num_waiting)
+        lm.kv_usage.set(st.kv.usage)
         for key, now, counter in (
-            ("preemptions", sched.num_preemptions, metrics.preemptions),
-            ("queries", bm.prefix_queries, metrics.prefix_queries),
-            ("hits", bm.prefix_hits, metrics.prefix_hits),
+            ("preemptions", st.num_preemptions, metrics.preemptions),
+            ("queries", st.kv.prefix_queries, metrics.prefix_queries),
+            ("hits", st.kv.prefix_hits, metrics.prefix_hits),
         ):
             if now > self._seen[key]:
                 counter.labels(**m).inc(now - self._seen[key])
@@ -404,80 +344,12 @@ class ControlEngine:
         return step
 
     def _emit(self, result: cpb.StepResult, sampled: dict[str, int]) -> None:
-        """Hand each stream its new tokens: every `stream_interval` tokens, and the first and
-        last at once. Detokenising, stop strings and the response happen only then."""
-        sched = self.scheduler
-        assert sched is not None
-        touched: dict[str, tuple[GenerateStream, pb.GenerateResponse]] = {}
-        interval = self.config.stream_interval
-        running, waiting = Status.RUNNING, Status.WAITING
-        now = time.monotonic()
-        missing = 0
-        gaps: list[float] = []  # inter-token latencies seen by this step's tokens
-        logprobs = {r.request_id: r for r in result.results} if result.results else None
-        choices = self.choices
-        for rid, token in sampled.items():
-            entry = choices.get(rid)
-            if entry is None:
-                missing += 1
-                continue  # aborted while the step ran
-            stream, choice = entry
-            if (last := choice.last_token_time) is not None:
-                gaps.append(now - last)
-            elif stream.first_token_time is None:  # the stream's first token (any choice)
-                stream.first_token_time = now
-                self._loop_metrics.ttft.observe(now - stream.arrival_time)
-            choice.last_token_time = now
-            pending = choice.pending
-            pending.append(token)
-            if logprobs is not None and rid in logprobs:
-                choice.pending_logprobs.append(logprobs[rid])
-            req = choice.request
-            # A request that got a token goes on unless this token finished it. It may be
-            # waiting: preempted by the next step's plan, made before this emit.
-            live = (status := req.status) is running or status is waiting
-            if len(pending) < interval and live and choice.sent:
-                continue
-            if req.num_cached_tokens > 0 and choice.index == 0:
-                stream.num_cached_tokens = req.num_cached_tokens
-            choice.sent = True
-            box = stream.pack_into if live else None
-            # The common case, packed; inlined rather than through new_text (a call per
-            # token costs ~0.05 ms a step at 256).
-            if box is not None and not choice.stop.stop:
-                push = choice.detok.push
-                text = push(token) if len(pending) == 1 else "".join(map(push, pending))
-                box.delta(stream.client_id, pending, text)
-                pending.clear()
-                continue
-            text, num_sent, matched = stream.new_text(choice, pending)
-            if matched is None and box is not None:
-                box.delta(stream.client_id, pending, text)
-                pending.clear()
-                continue
-            if (out := touched.get(stream.stream_id)) is None:
-                out = touched[stream.stream_id] = (stream, stream.new_response())
-            delta = stream.add_delta(choice, out[1], pending[:num_sent], text)
-            pending.clear()
-            choice.pending_logprobs.clear()
-            if matched is not None:
-                req.stop_reason = matched
-                sched.finish(req.request_id, Status.FINISHED_STOPPED)
-                # Also when the scheduler ended it by length: the text ends at the stop string.
-                req.status = Status.FINISHED_STOPPED
-                live = False
-            if not live:
-                stream.finish(choice, delta, req.status)
-                self.choices.pop(req.request_id, None)
-        self._loop_metrics.generation_tokens.inc(len(sampled) - missing)
-        for value, count in Counter(gaps).items():
-            metrics.observe_many(self._loop_metrics.itl, value, count)
-        for stream, resp in touched.values():
-            if ended := stream.done:
-                self._observe_finished(stream)
-                resp.usage.CopyFrom(stream.usage())
-                self.streams.pop(stream.stream_id, None)
-            stream.send(resp, ended)
+        """Step k's tokens to their streams (while step k+1 runs)."""
+        self.outputs.process(result, sampled, self._loop_metrics)
+
+    def _finish_request(self, request_id: str, status: Status) -> None:
+        if self.scheduler is not None:
+            self.scheduler.finish(request_id, status)
 
     def _observe_finished(self, stream: GenerateStream) -> None:
         now = time.monotonic()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +43,6 @@ class Request:
     sent_to_compute: bool = False  # the compute plane holds its state (else send it in full)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
-    arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from control_plane.block_manager import BlockManager
+from control_plane.block_manager import BlockManager, KVCacheStats
 from control_plane.request import Request, Status
 
 
@@ -28,6 +28,16 @@ class AdmissionError(ValueError):
 
 class QueueFullError(RuntimeError):
     """The waiting queue is full; retry later."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """One reading of the scheduler and its KV pool, for metrics and ModelInfo."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # ever
+    kv: KVCacheStats
 
 
 @dataclass(slots=True)
@@ -93,19 +103,27 @@ class Scheduler:
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
-    def add_request(self, req: Request, fork_of: Request | None = None) -> None:
-        """Queue a request; with `fork_of`, it shares that request's prompt blocks (n > 1)."""
-        total = req.num_prompt_tokens + req.max_tokens
-        if req.num_prompt_tokens == 0:
+    def check_admission(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Whether a request of this size can be queued now: the one admission check.
+
+        Raises AdmissionError (it can never run) or QueueFullError (retry later)."""
+        total = num_prompt_tokens + max_tokens
+        if num_prompt_tokens == 0:
             raise AdmissionError("the prompt is empty")
         if total > self.max_model_len:
             raise AdmissionError(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) = {total} "
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                 f"exceeds the maximum context length of {self.max_model_len} tokens"
             )
         if len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
-        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
+
+    def add_request(self, req: Request, fork_of: Request | None = None) -> None:
+        """Queue a request that passed `check_admission`; with `fork_of`, it shares that
+        request's prompt blocks (n > 1). A request id already queued or running is refused
+        (ValueError): ids key the page tables."""
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
         self.requests[req.request_id] = req
         if fork_of is not None and fork_of.request_id in self.requests:
             assert fork_of.token_ids[: fork_of.num_prompt_tokens] == req.prompt_token_ids
@@ -139,14 +157,37 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._dropped)
 
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            len(self.running), len(self.waiting), self.num_preemptions, self.block_manager.stats()
+        )
+
     # ---------------------------------------------------------------- schedule
     def schedule(self, admit: bool = True) -> SchedulerOutput:
         """Plan one step. With `admit` False, running requests go on but none starts."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
         planned: dict[Request, tuple[list[int], int]] = {}
-        preempted = False
+        budget, preempted = self._schedule_running(out, planned, self.max_num_batched_tokens)
+        # No admissions in a step that had to preempt: the pool is under pressure.
+        if admit and not preempted:
+            budget = self._admit_waiting(planned, budget)
+        out.finished_ids, self._dropped = self._dropped, []
+        for req, (new_ids, n) in planned.items():
+            if req.sent_to_compute:
+                out.continuing.append(ContinuingScheduled(req, new_ids, n))
+            else:
+                ids = self.block_manager.block_ids(req.request_id)
+                out.new.append(NewScheduled(req, ids, req.num_computed_tokens, n))
+                req.sent_to_compute = True
+        out.num_tokens = self.max_num_batched_tokens - budget
+        return out
 
+    def _schedule_running(
+        self, out: SchedulerOutput, planned: dict[Request, tuple[list[int], int]], budget: int
+    ) -> tuple[int, bool]:
+        """Decodes first, then prefill chunks; preempt from the back when the pool is
+        short. Returns the budget left and whether anything was preempted."""
+        preempted = False
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
@@ -156,8 +197,7 @@ class Scheduler:
             elif left > 1:
                 prefills.append(r)
         allocate = self.block_manager.allocate
-        tables = self.block_manager.tables
-        bs = self.block_manager.block_size
+        has_free_slot = self.block_manager.has_free_slot
         in_blocks = out.decodes
         running = Status.RUNNING
         for req in decodes + prefills:
@@ -166,16 +206,11 @@ class Scheduler:
             if req.status is not running:
                 continue  # preempted earlier in this loop
             n = len(req.token_ids) - req.num_computed_tokens
-            if (
-                n == 1
-                and req.sent_to_compute
-                and req.num_computed_tokens < len(tables[req.request_id]) * bs
-            ):
+            if n == 1 and req.sent_to_compute and has_free_slot(req):
                 in_blocks.append(req)  # the next token's slot is in a block it holds
                 budget -= 1
                 continue
-            if n > budget:
-                n = budget
+            n = min(n, budget)
             while (new_ids := allocate(req, n)) is None:
                 victim = self.running[-1]
                 if victim in planned:
@@ -187,52 +222,36 @@ class Scheduler:
                 preempted = True
                 if victim is req:
                     break
-            if new_ids is None:
-                continue
-            planned[req] = (new_ids, n)
-            budget -= n
+            if new_ids is not None:
+                planned[req] = (new_ids, n)
+                budget -= n
+        return budget, preempted
 
-        # No admissions in a step that had to preempt: the pool is under pressure.
-        while (
-            admit
-            and self.waiting
-            and budget > 0
-            and not preempted
-            and len(self.running) < self.max_num_seqs
-        ):
+    def _admit_waiting(self, planned: dict[Request, tuple[list[int], int]], budget: int) -> int:
+        """Start waiting requests in order while budget, blocks and max_num_seqs allow."""
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            forked = req.request_id in self.block_manager.tables  # holds its parent's blocks
-            prefix = [] if forked else self.block_manager.find_prefix(req)
-            hit = req.num_computed_tokens if forked else len(prefix) * self.block_manager.block_size
+            forked = bm.holds_blocks(req.request_id)  # holds its parent's blocks
+            prefix = [] if forked else bm.find_prefix(req)
+            hit = req.num_computed_tokens if forked else len(prefix) * bm.block_size
             req.num_computed_tokens = hit
             n = min(req.num_tokens - hit, budget)
-            new_ids = self.block_manager.allocate(req, n, prefix)
+            new_ids = bm.allocate(req, n, prefix)
             if new_ids is None:
                 req.num_computed_tokens = hit if forked else 0
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit
-                self.block_manager.prefix_queries += req.num_prompt_tokens
-                self.block_manager.prefix_hits += hit
+                bm.record_prefix_lookup(req.num_prompt_tokens, hit)
             req.status = Status.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             planned[req] = (new_ids, n)
             budget -= n
-
-        out.finished_ids, self._dropped = self._dropped, []
-        continuing = out.continuing
-        for req, (new_ids, n) in planned.items():
-            if req.sent_to_compute:
-                continuing.append(ContinuingScheduled(req, new_ids, n))
-            else:
-                ids = self.block_manager.block_ids(req.request_id)
-                out.new.append(NewScheduled(req, ids, req.num_computed_tokens, n))
-                req.sent_to_compute = True
-        out.num_tokens = self.max_num_batched_tokens - budget
-        return out
+        return budget
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Apply a step's result: advance progress, append sampled tokens, finish requests."""

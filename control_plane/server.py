@@ -18,11 +18,12 @@ from pathlib import Path
 import grpc
 import prometheus_client
 
+from control_plane.block_pool import IntegrityError
 from control_plane.chat_template import ChatTemplateError
 from control_plane.config import ControlConfig
 from control_plane.engine import ComputeUnavailable, ControlEngine
 from control_plane.outputs import GenerateStream
-from control_plane.scheduler import AdmissionError, QueueFullError
+from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
 from hetero_common.grpc_health import HealthReporter
 from hetero_common.model_path import model_display_name, resolve_model_path
@@ -327,21 +328,31 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             info.block_size = d.block_size
             info.num_kv_blocks = sched.block_manager.pool.num_blocks
             info.architecture, info.dtype, info.device = d.architecture, d.dtype, d.device
-            bm = sched.block_manager
-            st = info.stats
-            st.num_free_kv_blocks = bm.num_free_blocks
-            st.num_usable_kv_blocks = bm.pool.num_usable
-            st.num_running, st.num_waiting = len(sched.running), len(sched.waiting)
-            st.num_preemptions = sched.num_preemptions
-            st.prefix_cache_queries, st.prefix_cache_hits = bm.prefix_queries, bm.prefix_hits
-            used, allocated = bm.slot_usage(sched.requests.values())
-            st.num_kv_slots_used, st.num_kv_slots_allocated = used, allocated
-            try:
-                bm.check_integrity()
-                st.integrity_ok = True
-            except AssertionError as e:
-                st.integrity_error = str(e)
+            _fill_stats(info.stats, sched, request.detailed)
         return info
+
+
+def _fill_stats(st: pb.EngineStats, sched: Scheduler, detailed: bool) -> None:
+    """Counters always; with `detailed`, the walks over every page table too (KV slot
+    use and the integrity check): O(blocks + tokens), so probes leave it off."""
+    stats = sched.make_stats()
+    st.num_free_kv_blocks, st.num_usable_kv_blocks = (
+        stats.kv.num_free_blocks,
+        stats.kv.num_usable_blocks,
+    )
+    st.num_running, st.num_waiting = stats.num_running, stats.num_waiting
+    st.num_preemptions = stats.num_preemptions
+    st.prefix_cache_queries, st.prefix_cache_hits = stats.kv.prefix_queries, stats.kv.prefix_hits
+    if not detailed:
+        return
+    bm = sched.block_manager
+    used, allocated = bm.slot_usage(sched.requests.values())
+    st.num_kv_slots_used, st.num_kv_slots_allocated = used, allocated
+    try:
+        bm.check_integrity()
+        st.integrity_ok = True
+    except IntegrityError as e:
+        st.integrity_error = str(e)
 
 
 async def serve(config: ControlConfig) -> None:

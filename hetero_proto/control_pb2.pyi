@@ -235,8 +235,10 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("detailed",)
+    DETAILED_FIELD_NUMBER: _ClassVar[int]
+    detailed: bool
+    def __init__(self, detailed: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
     __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "has_chat_template", "compute_attached", "architecture", "dtype", "device", "stats")

@@ -111,7 +111,7 @@ def test_allocate_failure_changes_nothing() -> None:
     bm = BlockManager(num_blocks=3, block_size=BS)
     a = _req("a", list(range(12)))
     assert _admit(bm, a) is None
-    assert bm.num_free_blocks == 2 and "a" not in bm.tables
+    assert bm.num_free_blocks == 2 and not bm.holds_blocks("a")
     bm.check_integrity()
 
 

@@ -174,10 +174,15 @@ def test_preemption_keeps_generated_tokens_and_resends_in_full() -> None:
 def test_admission_errors() -> None:
     sched = Scheduler(num_blocks=9, block_size=BS, max_model_len=32, max_waiting=1)
     with pytest.raises(AdmissionError, match="32"):
-        sched.add_request(Request("long", [1] * 30, max_tokens=3))
+        sched.check_admission(30, 3)
+    with pytest.raises(AdmissionError, match="empty"):
+        sched.check_admission(0, 3)
+    sched.check_admission(1, 3)
     sched.add_request(Request("ok", [1], max_tokens=3))
     with pytest.raises(QueueFullError):
-        sched.add_request(Request("more", [1], max_tokens=3))
+        sched.check_admission(1, 3)
+    with pytest.raises(ValueError, match="duplicate"):  # a real check, also under -O
+        sched.add_request(Request("ok", [2], max_tokens=3))
 
 
 def test_abort_frees_at_once() -> None:

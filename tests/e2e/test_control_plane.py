@@ -59,7 +59,7 @@ def _concurrently(stub: pb_grpc.ControlPlaneStub) -> list[list[int]]:
 def _wait_pool_full(stub: pb_grpc.ControlPlaneStub, timeout: float) -> pb.EngineStats:
     deadline = time.monotonic() + timeout
     while True:
-        st = stub.ModelInfo(pb.ModelInfoRequest()).stats
+        st = stub.ModelInfo(pb.ModelInfoRequest(detailed=True)).stats
         if st.num_free_kv_blocks == st.num_usable_kv_blocks or time.monotonic() > deadline:
             return st
         time.sleep(0.05)
@@ -145,7 +145,7 @@ def test_cancel_mid_stream_frees_the_pool(stub) -> None:  # type: ignore[no-unty
 
 
 def test_prompt_too_long_is_refused(stub) -> None:  # type: ignore[no-untyped-def]
-    info = stub.ModelInfo(pb.ModelInfoRequest())
+    info = stub.ModelInfo(pb.ModelInfoRequest(detailed=True))
     with pytest.raises(grpc.RpcError) as e:
         generate(stub, greedy([300] * 10, info.max_model_len))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -303,7 +303,7 @@ def test_generate_many_interleaves_requests_on_one_call(stub, alone) -> None:  #
 
 
 def test_generate_many_errors_and_cancels_touch_only_their_request(stub, alone) -> None:  # type: ignore[no-untyped-def]
-    info = stub.ModelInfo(pb.ModelInfoRequest())
+    info = stub.ModelInfo(pb.ModelInfoRequest(detailed=True))
     many = _ManyCall(stub)
     many.start("long", greedy(list(range(200, 460)), 500))
     many.start("good", greedy(_prompts()[0], MAX_TOKENS))

@@ -42,7 +42,7 @@ def model(client: openai.OpenAI) -> str:
 
 def _pool(stack: FullStack) -> pb.EngineStats:
     with grpc.insecure_channel(stack.control) as ch:
-        return pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest()).stats
+        return pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest(detailed=True)).stats
 
 
 def test_chat_answers_paris(client: openai.OpenAI, model: str) -> None:

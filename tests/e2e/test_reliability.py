@@ -41,7 +41,11 @@ def model(stack: FullStack) -> str:
 
 def stats(stack: FullStack) -> pb.EngineStats:
     with grpc.insecure_channel(stack.control) as ch:
-        return pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=10).stats
+        return (
+            pb_grpc.ControlPlaneStub(ch)
+            .ModelInfo(pb.ModelInfoRequest(detailed=True), timeout=10)
+            .stats
+        )
 
 
 def wait_idle(stack: FullStack, within: float) -> pb.EngineStats:

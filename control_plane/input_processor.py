@@ -1,0 +1,121 @@
+"""Input processing: a generate request checked once and turned into the scheduler's
+requests, one per choice (vLLM v1's input processor, after tokenisation).
+
+Pure: no scheduler state, no I/O. The engine asks the scheduler afterwards whether a
+request of that size can be queued now (`Scheduler.check_admission`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from control_plane.detokenizer import IncrementalDetokenizer
+from control_plane.outputs import Choice, GenerateStream, Outbox
+from control_plane.request import Request
+from control_plane.scheduler import AdmissionError
+from control_plane.stop import StopChecker
+from control_plane.tokenizer import TokenizerWrapper
+from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS
+from hetero_common.logs import choice_request_id
+from hetero_common.sampling_params import SamplingSpec
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class ModelBounds:
+    """What the checks need to know of the attached compute plane and the pool."""
+
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]  # the tokenizer's and the compute plane's
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+        self.tokenizer = tokenizer
+
+    def check(self, prompt_ids: list[int], params: pb.GenerationParams, bounds: ModelBounds) -> int:
+        """Raise AdmissionError naming the first bad field; return the request's max_tokens
+        (when unset: what the context leaves after the prompt)."""
+        n = params.n or 1
+        if not 1 <= n <= MAX_N:
+            raise AdmissionError(f"n must be in 1..{MAX_N}, got {n}")
+        if params.max_tokens < 0 or params.min_tokens < 0:
+            raise AdmissionError("max_tokens and min_tokens must be >= 0")
+        if len(params.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
+            raise AdmissionError(
+                f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters"
+            )
+        if not prompt_ids:
+            raise AdmissionError("the prompt is empty")
+        if len(prompt_ids) >= bounds.max_model_len:
+            raise AdmissionError(
+                f"the prompt has {len(prompt_ids)} tokens; the maximum context length is "
+                f"{bounds.max_model_len} tokens, prompt and output together"
+            )
+        if min(prompt_ids) < 0 or max(prompt_ids) >= bounds.vocab_size:
+            raise AdmissionError(f"prompt token ids must be in 0..{bounds.vocab_size - 1}")
+        max_tokens = params.max_tokens or bounds.max_model_len - len(prompt_ids)
+        if params.min_tokens > max_tokens:
+            raise AdmissionError(
+                f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})"
+            )
+        problem = SamplingSpec.from_proto(self.sampling(params, 0, bounds)).validate()
+        if problem:
+            raise AdmissionError(problem)
+        return max_tokens
+
+    def sampling(
+        self, params: pb.GenerationParams, index: int, bounds: ModelBounds
+    ) -> cpb.SamplingParams:
+        """Choice `index`'s sampling parameters as the compute plane takes them."""
+        sampling = cpb.SamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p or 1.0,
+            top_k=max(0, params.top_k),
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty or 1.0,
+            frequency_penalty=params.frequency_penalty,
+            presence_penalty=params.presence_penalty,
+            logprobs=params.logprobs,
+            top_logprobs=params.top_logprobs,
+        )
+        if params.min_tokens:
+            # The compute plane masks these until min_tokens tokens exist.
+            eos = set() if params.ignore_eos else bounds.eos_token_ids
+            sampling.min_tokens = params.min_tokens
+            sampling.min_tokens_banned_ids.extend(sorted(set(params.stop_token_ids) | eos))
+        if params.HasField("seed"):
+            sampling.seed = (params.seed + index) % (1 << 64)  # choices differ, reproducibly
+        return sampling
+
+    def make_stream(
+        self,
+        stream_id: str,
+        prompt_ids: list[int],
+        params: pb.GenerationParams,
+        bounds: ModelBounds,
+        max_tokens: int,
+        outbox: Outbox | None = None,
+        client_id: str = "",
+    ) -> GenerateStream:
+        """The stream of a checked request, with a scheduler Request per choice
+        (`<stream_id>-<i>`), each with its detokenizer and stop-string checker."""
+        stream = GenerateStream(
+            stream_id, list(prompt_ids), [], self.tokenizer, outbox=outbox, client_id=client_id
+        )
+        for i in range(params.n or 1):
+            req = Request(
+                request_id=choice_request_id(stream_id, i),
+                prompt_token_ids=list(prompt_ids),
+                max_tokens=max_tokens,
+                sampling=self.sampling(params, i, bounds),
+                min_tokens=params.min_tokens,
+                ignore_eos=params.ignore_eos,
+                eos_token_ids=bounds.eos_token_ids,
+                stop_token_ids=frozenset(params.stop_token_ids),
+            )
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            stream.choices.append(Choice(i, req, detok, StopChecker(list(params.stop))))
+        return stream

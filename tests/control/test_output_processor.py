@@ -1,0 +1,128 @@
+"""The output processor alone: sampled tokens in, each stream's deltas out (text from an
+independent decode of the same tokens, stop strings cut, finish reasons, usage, the
+stream interval), with no engine, scheduler or gRPC."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from control_plane import metrics
+from control_plane.input_processor import InputProcessor, ModelBounds
+from control_plane.output_processor import OutputProcessor
+from control_plane.outputs import GenerateStream
+from control_plane.request import Status
+from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+BOUNDS = ModelBounds(max_model_len=256, vocab_size=49152, eos_token_ids=frozenset({2}))
+STEP_METRICS = SimpleNamespace(
+    generation_tokens=metrics.generation_tokens.labels(model_name="unit"),
+    ttft=metrics.ttft.labels(model_name="unit"),
+    itl=metrics.itl.labels(model_name="unit"),
+)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path: Path) -> TokenizerWrapper:
+    return load_tokenizer(smollm2_path)
+
+
+class Harness:
+    """An OutputProcessor with a stream of one request, fed tokens as a scheduler would."""
+
+    def __init__(self, tok: TokenizerWrapper, params: pb.GenerationParams, interval: int = 1):
+        self.finished: list[tuple[str, Status]] = []
+        self.observed: list[GenerateStream] = []
+        self.proc = OutputProcessor(
+            interval, lambda rid, st: self.finished.append((rid, st)), self.observed.append
+        )
+        inputs = InputProcessor(tok)
+        prompt = tok.encode("Once upon a time", add_special_tokens=False)
+        max_tokens = inputs.check(prompt, params, BOUNDS)
+        self.stream = inputs.make_stream("s", prompt, params, BOUNDS, max_tokens)
+        for c in self.stream.choices:
+            c.request.status = Status.RUNNING
+        self.proc.add(self.stream)
+
+    def step(self, tokens: list[int], end: Status | None = None) -> None:
+        """One step: choice i sampled tokens[i]; `end` is the scheduler's verdict."""
+        sampled = {}
+        for choice, token in zip(self.stream.choices, tokens, strict=True):
+            choice.request.token_ids.append(token)
+            if end is not None:
+                choice.request.status = end
+            sampled[choice.request.request_id] = token
+        self.proc.process(cpb.StepResult(), sampled, STEP_METRICS)  # type: ignore[arg-type]
+
+    def responses(self) -> list[pb.GenerateResponse]:
+        out = []
+        while not self.stream.queue.empty():
+            item = self.stream.queue.get_nowait()
+            assert isinstance(item, pb.GenerateResponse)
+            out.append(item)
+        return out
+
+
+def test_deltas_join_to_the_decoded_text_and_end_with_usage(tok: TokenizerWrapper) -> None:
+    tokens = tok.encode(" there was a small red fox.", add_special_tokens=False)
+    h = Harness(tok, pb.GenerationParams(max_tokens=len(tokens)))
+    for t in tokens[:-1]:
+        h.step([t])
+    h.step([tokens[-1]], end=Status.FINISHED_LENGTH)
+    resps = h.responses()
+    assert len(resps) == len(tokens)  # interval 1: a message per token
+    assert "".join(r.choices[0].text for r in resps) == tok.decode(tokens, True)
+    assert [t for r in resps for t in r.choices[0].token_ids] == tokens
+    assert resps[-1].choices[0].finish_reason == pb.FINISH_REASON_LENGTH
+    assert (resps[-1].usage.prompt_tokens, resps[-1].usage.completion_tokens) == (
+        len(h.stream.prompt_token_ids),
+        len(tokens),
+    )
+    assert h.observed == [h.stream] and not h.proc.streams and not h.proc.choices
+
+
+def test_a_stop_string_cuts_the_text_and_finishes_the_request(tok: TokenizerWrapper) -> None:
+    tokens = tok.encode(" the cat sat on the mat and slept", add_special_tokens=False)
+    h = Harness(tok, pb.GenerationParams(max_tokens=50, stop=[" mat"]))
+    for t in tokens:
+        if h.finished:
+            break
+        h.step([t])
+    text = "".join(r.choices[0].text for r in h.responses())
+    assert text == " the cat sat on the"
+    assert h.finished == [("s-0", Status.FINISHED_STOPPED)]
+    assert h.stream.choices[0].finished and h.stream.done
+
+
+def test_the_stream_interval_holds_tokens_back_but_not_the_first_or_last(
+    tok: TokenizerWrapper,
+) -> None:
+    tokens = tok.encode(" one two three four five six seven", add_special_tokens=False)
+    h = Harness(tok, pb.GenerationParams(max_tokens=len(tokens)), interval=3)
+    for t in tokens[:-1]:
+        h.step([t])
+    h.step([tokens[-1]], end=Status.FINISHED_LENGTH)
+    sizes = [len(r.choices[0].token_ids) for r in h.responses()]
+    assert sizes[0] == 1 and sum(sizes) == len(tokens)
+    assert all(s == 3 for s in sizes[1:-1]) and 1 <= sizes[-1] <= 3
+
+
+def test_n_choices_each_get_their_own_deltas(tok: TokenizerWrapper) -> None:
+    a = tok.encode(" red", add_special_tokens=False)[0]
+    b = tok.encode(" blue", add_special_tokens=False)[0]
+    h = Harness(tok, pb.GenerationParams(n=2, max_tokens=1))
+    h.step([a, b], end=Status.FINISHED_LENGTH)
+    (resp,) = h.responses()  # both choices in one message
+    assert {(c.index, c.text) for c in resp.choices} == {(0, " red"), (1, " blue")}
+    assert resp.usage.completion_tokens == 2
+
+
+def test_a_removed_stream_gets_nothing(tok: TokenizerWrapper) -> None:
+    h = Harness(tok, pb.GenerationParams(max_tokens=5))
+    assert h.proc.remove(h.stream) and not h.proc.remove(h.stream)
+    h.step([tok.encode(" x", add_special_tokens=False)[0]])
+    assert h.responses() == []
