@@ -33,14 +33,13 @@ import grpc
 
 from benchmarks.instant_compute import InstantCompute
 from benchmarks.workload import machine
-from control_plane.compute_client import sampled_tokens
+from control_plane.compute_client import InProcessLink, sampled_tokens
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.server import CallOutbox
 from control_plane.tokenizer import load_tokenizer
 from hetero_common.model_path import bundled_gguf
 from hetero_infer.local import child, free_port, stop_process, wait_serving
-from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -170,30 +169,11 @@ def measure(
     }
 
 
-class _Wire:
-    """A ComputeLink that answers with InstantCompute's logic in this process; the step
-    and its result are serialised and parsed as gRPC would."""
-
-    address = "in-process"
-
-    def __init__(self) -> None:
-        self.compute = InstantCompute(num_blocks=100_000, block_size=16, vocab_size=49152)
-        self._sent = cpb.StepRequest()
-
-    async def attach(self, timeout: float = 10.0) -> cpb.DescribeResponse:
-        return self.compute.description
-
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
-        return True
-
-    async def send(self, request: cpb.StepRequest) -> None:
-        self._sent = cpb.StepRequest.FromString(request.SerializeToString())
-
-    async def receive(self) -> cpb.StepResult:
-        return cpb.StepResult.FromString(self.compute.answer(self._sent).SerializeToString())
-
-    async def close(self) -> None:
-        pass
+def _wire() -> InProcessLink:
+    """A link that answers with InstantCompute's logic in this process; the step and its
+    result are serialised and parsed as gRPC would."""
+    compute = InstantCompute(num_blocks=100_000, block_size=16, vocab_size=49152)
+    return InProcessLink(lambda: compute.description, compute.answer, wire=True)
 
 
 def breakdown(
@@ -205,7 +185,7 @@ def breakdown(
         config = ControlConfig(
             compute="in-process", stream_interval=stream_interval, max_num_seqs=max(256, num_seqs)
         )
-        engine = ControlEngine(config, load_tokenizer(bundled_gguf()), _Wire())
+        engine = ControlEngine(config, load_tokenizer(bundled_gguf()), _wire())
         await engine._attach()
         sched = engine.scheduler
         assert sched is not None

@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-import prometheus_client
 
 from compute_plane import metrics
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, StepRejected
-from hetero_common.grpc_health import HealthReporter
+from hetero_common.grpc_server import GrpcPlane
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 
@@ -93,74 +91,58 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
             result.draining = self.draining
             yield result
 
-    async def drain(self, timeout: float) -> None:
-        """Refuse new work and wait, up to `timeout` s, until no request is held."""
-        self.draining = True
-        deadline = time.monotonic() + timeout
-        while self.engine is not None and self.engine.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        held = len(self.engine.requests) if self.engine else 0
-        log.info("compute plane drained (%d requests still held)", held)
+    def num_held(self) -> int:
+        """Requests the engine holds (what a drain waits for)."""
+        return len(self.engine.requests) if self.engine is not None else 0
 
 
 async def serve(config: ComputeConfig) -> None:
-    """Listen, load the model, mark SERVING, and run until SIGINT/SIGTERM."""
-    from compute_plane.loader import load_model  # heavy imports after the port is bound
-    from hetero_common.model_path import resolve_model_path
-
-    server = grpc.aio.server()
+    """Listen, load the model, mark SERVING, and run until SIGINT/SIGTERM; then drain."""
+    plane = GrpcPlane(config, SERVICE_NAME)
     servicer = ComputeServicer()
-    pb_grpc.add_ComputePlaneServicer_to_server(servicer, server)
-    health = HealthReporter(server, SERVICE_NAME)
-    await health.set(False)
-    address = f"{config.host}:{config.port}"
-    config.tls.add_port(server, address)
-    if config.metrics_port:
-        prometheus_client.start_http_server(config.metrics_port, addr=config.host)
-    await server.start()
-    log.info("compute plane listening on %s; loading %s", address, config.model)
-
-    stop = asyncio.Event()
+    pb_grpc.add_ComputePlaneServicer_to_server(servicer, plane.server)
+    await plane.health.set(False)
+    await plane.start()
+    log.info("compute plane listening on %s; loading %s", plane.address, config.model)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    def load() -> Engine:
-        started = time.perf_counter()
-        if config.num_threads:
-            import torch
-
-            torch.set_num_threads(config.num_threads)
-        engine = Engine(config, load_model(resolve_model_path(config.model), progress=True))
-        engine.warmup()
-        metrics.model_load_seconds.labels(model_name=engine.model_name).set(
-            time.perf_counter() - started
-        )
-        return engine
-
-    load_task: asyncio.Future[Engine] = loop.run_in_executor(servicer.executor, load)
-    stop_task: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
-    waiting: list[asyncio.Future[Any]] = [load_task, stop_task]
-    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    load = loop.run_in_executor(servicer.executor, _load_engine, config)
     try:
-        if load_task in done:
-            servicer.engine = load_task.result()  # a load error propagates: one clear message
+        if await plane.before_stop(load):
+            servicer.engine = load.result()  # a load error propagates: one clear message
             d = servicer.engine.describe()
-            await health.set(True)
+            await plane.health.set(True)
             log.info(
                 "compute plane ready on %s: %s, %d KV blocks of %d tokens, max_model_len %d",
-                address,
+                plane.address,
                 d.model_name,
                 d.num_kv_blocks,
                 d.block_size,
                 d.max_model_len,
             )
-            await stop.wait()
+            await plane.stopped()
             log.info("compute plane draining for up to %.0f s", config.drain_timeout)
-            await health.set(False)
-            await servicer.drain(config.drain_timeout)
+            servicer.draining = True
+            held = await plane.drain(servicer.num_held, config.drain_timeout)
+            log.info("compute plane drained (%d requests still held)", held)
     finally:
         log.info("compute plane shutting down")
-        stop_task.cancel()
-        await server.stop(grace=1)
+        await plane.close()
         servicer.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _load_engine(config: ComputeConfig) -> Engine:
+    """Load and warm up the model (on the servicer's worker thread)."""
+    from compute_plane.loader import load_model  # heavy imports after the port is bound
+    from hetero_common.model_path import resolve_model_path
+
+    started = time.perf_counter()
+    if config.num_threads:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
+    engine = Engine(config, load_model(resolve_model_path(config.model), progress=True))
+    engine.warmup()
+    metrics.model_load_seconds.labels(model_name=engine.model_name).set(
+        time.perf_counter() - started
+    )
+    return engine

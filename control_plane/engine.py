@@ -54,6 +54,20 @@ class _LoopMetrics:
         self.kv_usage = metrics.kv_cache_usage.labels(**labels)
 
 
+def _queue(sched: Scheduler, stream: GenerateStream) -> None:
+    """Queue a stream's choices (the others fork the first's prompt blocks): all or none."""
+    added: list[Request] = []
+    try:
+        first = stream.choices[0].request
+        for c in stream.choices:
+            sched.add_request(c.request, fork_of=None if c.request is first else first)
+            added.append(c.request)
+    except Exception:
+        for r in added:
+            sched.abort(r.request_id)
+        raise
+
+
 class ControlEngine:
     def __init__(
         self, config: ControlConfig, tokenizer: TokenizerWrapper, link: ComputeLink | None = None
@@ -168,30 +182,14 @@ class ControlEngine:
         stream = self.inputs.make_stream(
             stream_id, prompt_ids, params, bounds, max_tokens, outbox, client_id
         )
-        n = len(stream.choices)
-        added: list[Request] = []
-        try:
-            first = stream.choices[0].request
-            for c in stream.choices:
-                sched.add_request(c.request, fork_of=None if c.request is first else first)
-                added.append(c.request)
-        except Exception:
-            for r in added:
-                sched.abort(r.request_id)
-            raise
-        if (
-            outbox is not None
-            and packed
-            and n == 1
-            and not (params.logprobs or params.top_logprobs)
-        ):
+        _queue(sched, stream)
+        plain = len(stream.choices) == 1 and not (params.logprobs or params.top_logprobs)
+        if outbox is not None and packed and plain:
             stream.pack_into = outbox
         self.outputs.add(stream)
         log.info(
             "request admitted: %d prompt tokens, %d choices, max_tokens %d",
-            len(prompt_ids),
-            n,
-            max_tokens,
+            *(len(prompt_ids), len(stream.choices), max_tokens),
             extra={"request_id": stream_id},
         )
         metrics.prompt_tokens.labels(**self.labels).inc(len(prompt_ids))

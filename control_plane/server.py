@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-import prometheus_client
 
 from control_plane.block_pool import IntegrityError
 from control_plane.chat_template import ChatTemplateError
@@ -26,6 +23,7 @@ from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
 from hetero_common.grpc_health import HealthReporter
+from hetero_common.grpc_server import GrpcPlane
 from hetero_common.model_path import model_display_name, resolve_model_path
 from hetero_common.packed import PackedDeltaWriter
 from hetero_proto import control_pb2 as pb
@@ -200,88 +198,20 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         request_iterator: AsyncIterator[pb.GenerateManyRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.GenerateManyResponse]:
-        outbox = CallOutbox()
-        running: dict[str, GenerateStream] = {}  # client request id -> its stream
-        starting: dict[str, object] = {}  # being tokenised: request id -> that start's token
-        tasks: set[asyncio.Task[None]] = set()
-        reading = True
-        broken: BaseException | None = None  # the reader failed: end the call
-
-        async def start(request: pb.GenerateRequest, token: object, packed: bool) -> None:
-            rid = request.request_id
-            try:
-                prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
-                if starting.get(rid) is not token:
-                    return  # cancelled while tokenising (its id may have been reused since)
-                running[rid] = self.engine.submit(
-                    prompt_ids,
-                    request.params,
-                    outbox=outbox,
-                    client_id=rid,
-                    packed=packed,
-                    request_id=rid,
-                )
-            except Exception as e:
-                if starting.get(rid) is not token:
-                    return  # cancelled meanwhile: its id may already name a newer request
-                if status_for(e) is None:
-                    log.exception("GenerateMany request %s failed", rid)
-                outbox.fail(rid, e)
-            finally:
-                if starting.get(rid) is token:
-                    del starting[rid]
-                outbox.wake()  # the call may be waiting for its last request to end
-
-        async def read() -> None:
-            nonlocal reading, broken
-            try:
-                async for msg in request_iterator:
-                    which = msg.WhichOneof("action")
-                    if which == "start":
-                        rid = msg.start.request_id
-                        if not rid or rid in running or rid in starting:
-                            outbox.fail(
-                                rid,
-                                AdmissionError(
-                                    f"request_id {rid!r}: GenerateMany needs a request_id that "
-                                    "no unfinished request of this call has"
-                                ),
-                                end=False,
-                            )
-                            continue
-                        starting[rid] = token = object()
-                        task = asyncio.create_task(start(msg.start, token, msg.accept_packed))
-                        tasks.add(task)
-                        task.add_done_callback(tasks.discard)
-                    elif which == "cancel":
-                        starting.pop(msg.cancel, None)
-                        if (stream := running.pop(msg.cancel, None)) is not None:
-                            self.engine.abort(stream)
-            except Exception as e:
-                # Starts and cancels could no longer be read: end the call, so that the
-                # client sees it and opens another, rather than wait on it.
-                log.exception("GenerateMany: reading the client's messages failed")
-                broken = e
-            finally:
-                reading = False
-                outbox.wake()
-
-        reader = asyncio.create_task(read())
+        call = _ManyCall(self)
+        reader = asyncio.create_task(call.read(request_iterator))
         try:
-            while reading or running or starting:
-                messages, ended = await outbox.take()
-                if broken is not None:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"GenerateMany: {broken}")
+            while call.reading or call.running or call.starting:
+                messages, ended = await call.outbox.take()
+                if call.broken is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"GenerateMany: {call.broken}")
                 for rid in ended:
-                    running.pop(rid, None)
+                    call.running.pop(rid, None)
                 for message in messages:
                     yield message
         finally:
             reader.cancel()
-            for task in tasks:
-                task.cancel()
-            for stream in running.values():
-                self.engine.abort(stream)  # the client went away: free the blocks now
+            call.close()  # the client went away: free the blocks now
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -332,6 +262,85 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         return info
 
 
+class _ManyCall:
+    """The state of one GenerateMany call: its requests being tokenised and running, and
+    the outbox their messages gather in."""
+
+    def __init__(self, servicer: ControlServicer) -> None:
+        self.servicer = servicer
+        self.engine = servicer.engine
+        self.outbox = CallOutbox()
+        self.running: dict[str, GenerateStream] = {}  # client request id -> its stream
+        self.starting: dict[str, object] = {}  # being tokenised: request id -> its token
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.reading = True
+        self.broken: BaseException | None = None  # the reader failed: end the call
+
+    async def read(self, request_iterator: AsyncIterator[pb.GenerateManyRequest]) -> None:
+        try:
+            async for msg in request_iterator:
+                which = msg.WhichOneof("action")
+                if which == "start":
+                    self._start(msg.start, msg.accept_packed)
+                elif which == "cancel":
+                    self.starting.pop(msg.cancel, None)
+                    if (stream := self.running.pop(msg.cancel, None)) is not None:
+                        self.engine.abort(stream)
+        except Exception as e:
+            # Starts and cancels could no longer be read: end the call, so that the
+            # client sees it and opens another, rather than wait on it.
+            log.exception("GenerateMany: reading the client's messages failed")
+            self.broken = e
+        finally:
+            self.reading = False
+            self.outbox.wake()
+
+    def _start(self, request: pb.GenerateRequest, packed: bool) -> None:
+        rid = request.request_id
+        if not rid or rid in self.running or rid in self.starting:
+            message = (
+                f"request_id {rid!r}: GenerateMany needs a request_id that "
+                "no unfinished request of this call has"
+            )
+            self.outbox.fail(rid, AdmissionError(message), end=False)
+            return
+        self.starting[rid] = token = object()
+        task = asyncio.create_task(self._admit(request, token, packed))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _admit(self, request: pb.GenerateRequest, token: object, packed: bool) -> None:
+        rid, starting = request.request_id, self.starting
+        try:
+            prompt_ids = await asyncio.to_thread(self.servicer._prompt_ids, request)
+            if starting.get(rid) is not token:
+                return  # cancelled while tokenising (its id may have been reused since)
+            self.running[rid] = self.engine.submit(
+                prompt_ids,
+                request.params,
+                outbox=self.outbox,
+                client_id=rid,
+                packed=packed,
+                request_id=rid,
+            )
+        except Exception as e:
+            if starting.get(rid) is not token:
+                return  # cancelled meanwhile: its id may already name a newer request
+            if status_for(e) is None:
+                log.exception("GenerateMany request %s failed", rid)
+            self.outbox.fail(rid, e)
+        finally:
+            if starting.get(rid) is token:
+                del starting[rid]
+            self.outbox.wake()  # the call may be waiting for its last request to end
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for stream in self.running.values():
+            self.engine.abort(stream)
+
+
 def _fill_stats(st: pb.EngineStats, sched: Scheduler, detailed: bool) -> None:
     """Counters always; with `detailed`, the walks over every page table too (KV slot
     use and the integrity check): O(blocks + tokens), so probes leave it off."""
@@ -356,53 +365,38 @@ def _fill_stats(st: pb.EngineStats, sched: Scheduler, detailed: bool) -> None:
 
 
 async def serve(config: ControlConfig) -> None:
+    """Serve until SIGINT/SIGTERM, then drain: refuse new requests (UNAVAILABLE) and let
+    those in flight finish, up to --drain-timeout."""
     path: Path = resolve_model_path(config.model)
-    tokenizer = load_tokenizer(path)
-    engine = ControlEngine(config, tokenizer)
-    server = grpc.aio.server()
-    pb_grpc.add_ControlPlaneServicer_to_server(
-        ControlServicer(engine, model_display_name(path)), server
-    )
-    health = HealthReporter(server, SERVICE_NAME)
-    address = f"{config.host}:{config.port}"
-    config.tls.add_port(server, address)
-    if config.metrics_port:
-        prometheus_client.start_http_server(config.metrics_port, addr=config.host)
-    await server.start()
+    engine = ControlEngine(config, load_tokenizer(path))
+    plane = GrpcPlane(config, SERVICE_NAME)
+    servicer = ControlServicer(engine, model_display_name(path))
+    pb_grpc.add_ControlPlaneServicer_to_server(servicer, plane.server)
+    await plane.start()
     await engine.start()
-    log.info("control plane listening on %s, compute plane %s", address, config.compute)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    async def follow_attachment() -> None:
-        """Health is SERVING only while a compute plane is attached."""
-        serving: bool | None = None
-        while True:
-            now = engine.attached.is_set()
-            if now != serving:
-                await health.set(now)
-                serving = now
-            await asyncio.sleep(0.2)
-
-    watcher = asyncio.create_task(follow_attachment())
-    await stop.wait()
+    log.info("control plane listening on %s, compute plane %s", plane.address, config.compute)
+    watcher = asyncio.create_task(_follow_attachment(engine, plane.health))
+    await plane.stopped()
     watcher.cancel()
-    await drain(engine, health, config.drain_timeout)
+    engine.draining = True
+    log.info(
+        "control plane draining %d requests for up to %.0f s",
+        len(engine.streams),
+        config.drain_timeout,
+    )
+    if left := await plane.drain(lambda: len(engine.streams), config.drain_timeout):
+        log.warning("drain timeout: %d requests cut off", left)
     log.info("control plane shutting down")
-    await server.stop(grace=1)
+    await plane.close()
     await engine.stop()
 
 
-async def drain(engine: ControlEngine, health: HealthReporter, timeout: float) -> None:
-    """SIGTERM: refuse new requests (UNAVAILABLE), let those in flight finish, up to `timeout`."""
-    engine.draining = True
-    await health.set(False)
-    log.info("control plane draining %d requests for up to %.0f s", len(engine.streams), timeout)
-    deadline = time.monotonic() + timeout
-    while engine.streams and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if engine.streams:
-        log.warning("drain timeout: %d requests cut off", len(engine.streams))
+async def _follow_attachment(engine: ControlEngine, health: HealthReporter) -> None:
+    """Health is SERVING only while a compute plane is attached."""
+    serving: bool | None = None
+    while True:
+        now = engine.attached.is_set()
+        if now != serving:
+            await health.set(now)
+            serving = now
+        await asyncio.sleep(0.2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, StepRejected
 from compute_plane.loader import load_model
-from control_plane.compute_client import StepFailed
+from control_plane.compute_client import InProcessLink, StepFailed
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
@@ -26,36 +26,16 @@ from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
 
-class InProcessCompute:
-    """A ComputeLink to a compute Engine in this process: a step is a function call."""
+def in_process_link(engine: Engine) -> InProcessLink:
+    """The control plane's link to `engine` in this process (reset at each attach)."""
 
-    address = "in-process"
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._sent: cpb.StepRequest | None = None
-
-    async def attach(self, timeout: float = 10.0) -> cpb.DescribeResponse:
-        self.engine.reset()
-        return self.engine.describe()
-
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
-        return True
-
-    async def send(self, request: cpb.StepRequest) -> None:
-        self._sent = request
-
-    async def receive(self) -> cpb.StepResult:
-        """Runs the step sent last (a call in this process: nothing overlaps it)."""
-        request, self._sent = self._sent, None
-        assert request is not None, "send() first"
+    def answer(request: cpb.StepRequest) -> cpb.StepResult:
         try:
-            return self.engine.step(request)
+            return engine.step(request)
         except StepRejected as e:
             raise StepFailed(cpb.StepError(code=e.code, message=str(e))) from e
 
-    async def close(self) -> None:
-        return None
+    return InProcessLink(engine.describe, answer, on_attach=engine.reset)
 
 
 @dataclass
@@ -92,7 +72,7 @@ class OfflineLLM:
     async def _generate(
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
     ) -> list[Completion]:
-        control = ControlEngine(self.control_config, self.tokenizer, InProcessCompute(self.engine))
+        control = ControlEngine(self.control_config, self.tokenizer, in_process_link(self.engine))
         await control.start()
         try:
             await control.attached.wait()

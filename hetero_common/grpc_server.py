@@ -1,0 +1,68 @@
+"""The life of a gRPC plane, the same in both: bind (TLS or not) with health and
+reflection, Prometheus on its own port, run until SIGINT/SIGTERM, drain, stop.
+
+    plane = GrpcPlane(config, SERVICE_NAME)
+    add_XServicer_to_server(servicer, plane.server)
+    await plane.start()
+    await plane.stopped()                      # SIGTERM
+    left = await plane.drain(lambda: len(in_flight), config.drain_timeout)
+    await plane.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import prometheus_client
+
+from hetero_common.grpc_health import HealthReporter
+from hetero_common.server_config import GrpcServerConfig
+
+
+class GrpcPlane:
+    def __init__(self, config: GrpcServerConfig, service: str) -> None:
+        self.config = config
+        self.address = f"{config.host}:{config.port}"
+        self.server = grpc.aio.server()
+        self.health = HealthReporter(self.server, service)
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        """Listen (NOT_SERVING until `health.set(True)`), serve /metrics, catch signals."""
+        self.config.tls.add_port(self.server, self.address)
+        if self.config.metrics_port:
+            prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+
+    async def stopped(self) -> None:
+        """Until SIGINT or SIGTERM."""
+        await self._stop.wait()
+
+    async def before_stop(self, work: Awaitable[Any]) -> bool:
+        """Await `work` unless a signal comes first; True when `work` finished (its
+        result or error is then `work`'s to give)."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait((task, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        return task in done
+
+    async def drain(self, in_flight: Callable[[], int], timeout: float) -> int:
+        """NOT_SERVING, then wait up to `timeout` s for `in_flight()` to reach 0; returns
+        what is left."""
+        await self.health.set(False)
+        deadline = time.monotonic() + timeout
+        while in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return in_flight()
+
+    async def close(self) -> None:
+        await self.server.stop(grace=1)
