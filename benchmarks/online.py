@@ -329,7 +329,7 @@ def plot(report: dict[str, Any], out_dir: Path) -> list[str]:
     return files
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--url", help="gateway base URL (else --launch)")
     ap.add_argument("--control", help="control plane address, to sample KV waste")
@@ -353,11 +353,70 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("docs/perf/online.json"))
     ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+_SHOWN = ("arrival", "rate", "max_concurrency", "completed", "output_token_throughput")
+
+
+class _Sessions:
+    """The runs of one invocation: a session per stack (two with prefix caching on/off),
+    each a warm-up and then the sweep's runs, appended to `report["runs"]`."""
+
+    def __init__(self, args: argparse.Namespace, report: dict[str, Any]) -> None:
+        self.args, self.report = args, report
+        self.runs_started = 0
+
+    def one(
+        self, url: str, control: str | None, arrival: str, rate: float, cap: int | None
+    ) -> dict[str, Any]:
+        a = self.args
+        # Each run of a sweep draws fresh prompts (same lengths distribution): a prompt
+        # repeated from an earlier run would hit the prefix cache and flatter TTFT.
+        seed = a.seed + 1000 * self.runs_started
+        self.runs_started += 1
+        work = build_workload(a.workload, a.num_requests, a.preset, seed)
+        samples, duration, waste = asyncio.run(
+            run(url, work, arrival, rate, cap, control, seed, not a.no_progress)
+        )
+        r = {"arrival": arrival, "rate": rate, "max_concurrency": cap}
+        r |= summarize(samples, work, duration, waste, (a.slo_ttft_ms, a.slo_tpot_ms))
+        print(json.dumps({k: r[k] for k in (*_SHOWN, "ttft_ms", "kv_waste")}))
+        return r
+
+    def session(self, url: str, control: str | None, tag: dict[str, Any]) -> None:
+        a, runs = self.args, self.report["runs"]
+        # Unrecorded warm-up: the first steps of a fresh process pay for allocator
+        # growth and first-touch page faults, which would land on the first run only.
+        warm = build_workload(a.workload, 4, a.preset, a.seed + 999_999)
+        asyncio.run(run(url, warm, "burst", 0.0, None, None, a.seed, False))
+        self.runs_started = 0  # the same prompts in each session (prefix caching on / off)
+        for rate in [float(x) for x in a.rates.split(",") if x]:
+            runs.append({"sweep": "rate", **tag, **self.one(url, control, "poisson", rate, None)})
+        for cap in [int(x) for x in a.concurrencies.split(",") if x]:
+            runs.append({"sweep": "concurrency", **tag, **self.one(url, control, "burst", 0, cap)})
+        if not (a.rates or a.concurrencies):
+            r = self.one(url, control, a.arrival, a.rate, a.max_concurrency)
+            runs.append({"sweep": "single", **tag, **r})
+
+    def compare_prefix_caching(self) -> None:
+        for on in (True, False):
+            flag = "--enable-prefix-caching" if on else "--no-enable-prefix-caching"
+            with launched(self.args.model, (flag,)) as (url, control):
+                self.session(url, control, {"prefix_caching": on})
+        ttft = {r["prefix_caching"]: r["ttft_ms"]["p50"] for r in self.report["runs"]}
+        self.report["ttft_p50_ratio_off_vs_on"] = round(ttft[False] / ttft[True], 2)
+        print(f"TTFT p50: caching off / on = {self.report['ttft_p50_ratio_off_vs_on']}x")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = _parser()
     args = ap.parse_args(argv)
     if not (args.url or args.launch):
         ap.error("give --url or --launch")
+    if args.compare_prefix_caching and not args.launch:
+        ap.error("--compare-prefix-caching starts its own stacks: add --launch")
     work = build_workload(args.workload, args.num_requests, args.preset, args.seed)
-    slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     report: dict[str, Any] = {
         "benchmark": "online",
         "workload": args.workload,
@@ -365,72 +424,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "runs": [],
     }
-
-    runs_started = [0]
-
-    def go(
-        url: str, control: str | None, arrival: str, rate: float, cap: int | None
-    ) -> dict[str, Any]:
-        # Each run of a sweep draws fresh prompts (same lengths distribution): a prompt
-        # repeated from an earlier run would hit the prefix cache and flatter TTFT.
-        seed = args.seed + 1000 * runs_started[0]
-        runs_started[0] += 1
-        work = build_workload(args.workload, args.num_requests, args.preset, seed)
-        samples, duration, waste = asyncio.run(
-            run(url, work, arrival, rate, cap, control, seed, not args.no_progress)
-        )
-        r = {"arrival": arrival, "rate": rate, "max_concurrency": cap}
-        r |= summarize(samples, work, duration, waste, slo)
-        print(
-            json.dumps(
-                {
-                    k: r[k]
-                    for k in (
-                        "arrival",
-                        "rate",
-                        "max_concurrency",
-                        "completed",
-                        "output_token_throughput",
-                        "ttft_ms",
-                        "kv_waste",
-                    )
-                }
-            )
-        )
-        return r
-
-    def session(url: str, control: str | None, tag: dict[str, Any]) -> None:
-        # Unrecorded warm-up: the first steps of a fresh process pay for allocator
-        # growth and first-touch page faults, which would land on the first run only.
-        warm = build_workload(args.workload, 4, args.preset, args.seed + 999_999)
-        asyncio.run(run(url, warm, "burst", 0.0, None, None, args.seed, False))
-        runs_started[0] = 0  # the same prompts in each session (prefix caching on / off)
-        for rate in [float(x) for x in args.rates.split(",") if x]:
-            report["runs"].append(
-                {"sweep": "rate", **tag, **go(url, control, "poisson", rate, None)}
-            )
-        for cap in [int(x) for x in args.concurrencies.split(",") if x]:
-            report["runs"].append(
-                {"sweep": "concurrency", **tag, **go(url, control, "burst", 0, cap)}
-            )
-        if not (args.rates or args.concurrencies):
-            run_ = go(url, control, args.arrival, args.rate, args.max_concurrency)
-            report["runs"].append({"sweep": "single", **tag, **run_})
-
+    sessions = _Sessions(args, report)
     if args.compare_prefix_caching:
-        assert args.launch, "--compare-prefix-caching starts its own stacks: add --launch"
-        for on in (True, False):
-            flag = "--enable-prefix-caching" if on else "--no-enable-prefix-caching"
-            with launched(args.model, (flag,)) as (url, control):
-                session(url, control, {"prefix_caching": on})
-        ttft = {r["prefix_caching"]: r["ttft_ms"]["p50"] for r in report["runs"]}
-        report["ttft_p50_ratio_off_vs_on"] = round(ttft[False] / ttft[True], 2)
-        print(f"TTFT p50: caching off / on = {report['ttft_p50_ratio_off_vs_on']}x")
+        sessions.compare_prefix_caching()
     elif args.launch:
         with launched(args.model) as (url, control):
-            session(url, control, {})
+            sessions.session(url, control, {})
     else:
-        session(args.url, args.control, {})
+        sessions.session(args.url, args.control, {})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot(report, args.out.parent) if not args.compare_prefix_caching else []
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import grpc
 from fastapi.responses import JSONResponse
 
-from hetero_common.logs import REQUEST_ID
-
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
@@ -38,15 +36,15 @@ class APIError(Exception):
         )
 
     def body(self) -> dict[str, object]:
-        error: dict[str, object] = {
-            "message": self.message,
-            "type": self.type,
-            "param": self.param,
-            "code": self.code,
+        # Exactly OpenAI's error object; the request id travels in the X-Request-Id header.
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
         }
-        if request_id := REQUEST_ID.get():  # to find the request in every plane's logs
-            error["request_id"] = request_id
-        return {"error": error}
 
     def response(self) -> JSONResponse:
         # Overload and unavailability are temporary: tell clients when to come back.

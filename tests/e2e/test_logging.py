@@ -76,7 +76,7 @@ def test_no_prompt_or_output_in_logs(tmp_path: Path) -> None:
 def test_json_logs_carry_one_request_id_through_three_planes(tmp_path: Path) -> None:
     """--log-format json: every stderr line of every plane is a JSON object, and the
     client's X-Request-Id names the request in the gateway's, the control plane's and
-    the compute plane's lines, in the response header and in an error body."""
+    the compute plane's lines, and comes back in the response header, errors included."""
     kport, cport, gport = free_port(), free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
     json_logs = ["--log-format", "json"]  # after the subcommand, as `serve --log-format json`
@@ -117,8 +117,7 @@ def test_json_logs_carry_one_request_id_through_three_planes(tmp_path: Path) -> 
             timeout=30,
         )
         assert refused.status_code == 400
-        assert refused.headers["x-request-id"] == bad_rid
-        assert refused.json()["error"]["request_id"] == bad_rid
+        assert refused.headers["x-request-id"] == bad_rid  # the body stays OpenAI's own
         made = httpx.get(url + "/v1/models", timeout=30).headers["x-request-id"]
         assert made and made not in (rid, bad_rid)  # one is made when none is given
     finally:
