@@ -316,7 +316,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                         "index": idx,
                         "text": prefix + st.text,
                         "logprobs": lp,
-                        "finish_reason": st.finish_reason,
+                        "finish_reason": FINISH.get(st.finish_reason),
                     }
                 )
             return chunk(choices, _usage(usage))
@@ -405,7 +405,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                         "index": i,
                         "message": {"role": "assistant", "content": states[i].text},
                         "logprobs": _chat_logprobs(states[i].logprobs) if body.logprobs else None,
-                        "finish_reason": states[i].finish_reason,
+                        "finish_reason": FINISH.get(states[i].finish_reason),
                     }
                     for i in sorted(states)
                 ],

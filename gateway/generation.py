@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from gateway.errors import APIError, from_grpc
 from gateway.multiplex import Item, Multiplexer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from hetero_common.accumulate import ChoiceResult
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
-FINISH = {
+FINISH: dict[int, str] = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
@@ -73,16 +74,6 @@ def chat_call(req: ChatCompletionRequest) -> pb.GenerateRequest:
         role = "system" if m.role == "developer" else m.role
         chat.messages.add(role=role, content=m.text())
     return pb.GenerateRequest(chat=chat, params=params)
-
-
-@dataclass
-class ChoiceState:
-    """Everything streamed so far for one choice."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -183,20 +174,17 @@ def check_model(requested: str, served: str) -> None:
 
 async def collect_calls(
     mux: Multiplexer, calls: list[pb.GenerateRequest], timeout: float
-) -> tuple[dict[int, ChoiceState], pb.Usage, list[list[int]]]:
-    """Run the calls to the end: each choice's text, logprobs and finish reason, usage, prompts."""
-    states: dict[int, ChoiceState] = {}
+) -> tuple[dict[int, ChoiceResult], pb.Usage, list[list[int]]]:
+    """Run the calls to the end: each choice's accumulated deltas (finish_reason as the
+    proto enum: FINISH maps it to OpenAI's), usage, prompts."""
+    states: dict[int, ChoiceResult] = {}
     usage = pb.Usage()
     prompts: list[list[int]] = [[] for _ in calls]
     async for deltas, u, prompt_ids in stream_calls(mux, calls, timeout):
         if prompt_ids is not None:
             prompts = prompt_ids
         for d in deltas:
-            st = states.setdefault(d.index, ChoiceState())
-            st.text += d.choice.text
-            st.logprobs.extend(d.choice.logprobs)
-            if d.choice.finish_reason:
-                st.finish_reason = FINISH.get(d.choice.finish_reason)
+            states.setdefault(d.index, ChoiceResult()).add(d.choice)
         if u is not None:
             usage = u
     return states, usage, prompts

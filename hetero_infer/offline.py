@@ -21,6 +21,7 @@ from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
 from control_plane.tokenizer import load_tokenizer
+from hetero_common.accumulate import Accumulated
 from hetero_common.model_path import resolve_model_path
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
@@ -86,16 +87,17 @@ class OfflineLLM:
 
 
 async def _collect(stream: GenerateStream) -> Completion:
-    out = Completion(list(stream.prompt_token_ids))
-    n = len(stream.choices)
-    out.token_ids, out.texts, out.finish_reasons = [[] for _ in range(n)], [""] * n, [0] * n
+    acc = Accumulated()
     while True:
         item = await stream.queue.get()
         if isinstance(item, BaseException):
             raise item
-        for c in item.choices:
-            out.token_ids[c.index].extend(c.token_ids)
-            out.texts[c.index] += c.text
-            out.finish_reasons[c.index] = c.finish_reason or out.finish_reasons[c.index]
-        if item.HasField("usage"):
-            return out
+        if acc.add(item):
+            break
+    choices = [acc.choice(i) for i in range(len(stream.choices))]
+    return Completion(
+        list(stream.prompt_token_ids),
+        [c.token_ids for c in choices],
+        [c.text for c in choices],
+        [c.finish_reason for c in choices],
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hetero_common.accumulate import Accumulated
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -17,22 +18,26 @@ class Completion:
     usage: pb.Usage | None = None
     prompt_ids: list[int] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, acc: Accumulated) -> Completion:
+        ch = acc.choices
+        return cls(
+            texts={i: c.text for i, c in ch.items()},
+            tokens={i: c.token_ids for i, c in ch.items()},
+            deltas={i: c.deltas for i, c in ch.items()},
+            finish={i: c.finish_reason for i, c in ch.items() if c.finish_reason},
+            usage=acc.usage,
+            prompt_ids=acc.prompt_token_ids,
+        )
+
 
 def generate(
     stub: pb_grpc.ControlPlaneStub, request: pb.GenerateRequest, timeout: float = 300
 ) -> Completion:
-    out = Completion()
+    acc = Accumulated()
     for resp in stub.Generate(request, timeout=timeout):
-        out.prompt_ids.extend(resp.prompt_token_ids)
-        for c in resp.choices:
-            out.texts[c.index] = out.texts.get(c.index, "") + c.text
-            out.tokens.setdefault(c.index, []).extend(c.token_ids)
-            out.deltas.setdefault(c.index, []).append(c.text)
-            if c.finish_reason:
-                out.finish[c.index] = c.finish_reason
-        if resp.HasField("usage"):
-            out.usage = resp.usage
-    return out
+        acc.add(resp)
+    return Completion.of(acc)
 
 
 def greedy(prompt_ids: list[int], max_tokens: int, **params: object) -> pb.GenerateRequest:

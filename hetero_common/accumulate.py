@@ -1,0 +1,53 @@
+"""Accumulating a generate stream: each choice's text, tokens, logprobs and finish
+reason, the prompt's token ids and the usage (control.proto GenerateResponse).
+
+One place for every reader of whole results: offline batch inference, the gateway's
+non-streaming responses, the CLI and the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hetero_proto import control_pb2 as pb
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    deltas: list[str] = field(default_factory=list)  # each delta's text, in order
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # a pb.FinishReason once finished
+
+    def add(self, delta: pb.ChoiceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.deltas.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason:
+            self.finish_reason = delta.finish_reason
+
+
+@dataclass
+class Accumulated:
+    """A whole request: its choices by index, prompt and usage (set by the last message)."""
+
+    choices: dict[int, ChoiceResult] = field(default_factory=dict)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    usage: pb.Usage | None = None
+
+    def add(self, resp: pb.GenerateResponse) -> bool:
+        """Take one message; True once the request's last (the one with usage) is in."""
+        self.prompt_token_ids.extend(resp.prompt_token_ids)
+        for delta in resp.choices:
+            self.choice(delta.index).add(delta)
+        if resp.HasField("usage"):
+            self.usage = resp.usage
+            return True
+        return False
+
+    def choice(self, index: int) -> ChoiceResult:
+        if (c := self.choices.get(index)) is None:
+            c = self.choices[index] = ChoiceResult()
+        return c
