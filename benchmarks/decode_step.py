@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,97 @@ def _old_attention(ref: str) -> Any:
     return module.TorchPagedAttention
 
 
+BS = 16  # tokens per KV block
+
+
+def _profile(step: Callable[[], None]) -> dict[str, float]:
+    """Share of one step's CPU time per category (CATEGORIES)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    share: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for ev in prof.key_averages():
+        total += ev.self_cpu_time_total
+        cat = next((k for k, names in CATEGORIES.items() if ev.key.startswith(names)), "other")
+        share[cat] += ev.self_cpu_time_total
+    return {k: round(v / total, 3) for k, v in sorted(share.items())}
+
+
+def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int) -> dict[str, Any]:
+    """A decode step of `b` sequences at context `c`, blocks scattered over the cache:
+    each attention backend, each linear kernel, and a profile of the two backends."""
+    nb = -(-c // BS)
+    cache = KVCache(cfg, b * nb + 1, BS, torch.float32, torch.device("cpu"))
+    ids = list(range(1, b * nb + 1))
+    random.Random(0).shuffle(ids)
+    tables = torch.tensor(ids, dtype=torch.int32).view(b, nb)
+    slots = tables[:, (c - 1) // BS].long() * BS + (c - 1) % BS
+    tokens, pos = torch.randint(100, 1000, (b,)), torch.full((b,), c - 1)
+
+    def step() -> None:  # the metadata is built per step, as the engine does
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            seq_lens=[c] * b,
+            query_lens=[1] * b,
+            num_decodes=b,
+            block_size=BS,
+        )
+        model.logits(model.forward(tokens, pos, meta, cache.layers))
+
+    def timed() -> float:
+        times = []
+        for _ in range(6):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        return round(statistics.median(times[1:]) * 1e3, 1)
+
+    row: dict[str, Any] = {"batch": b, "context": c}
+    for name, backend in backends.items():
+        model.attention = backend
+        row[f"{name}_ms"] = timed()
+    model.attention = backends["cpu"]
+    chosen = model.linear
+    # Alternated, twice each: this machine's speed drifts within a run.
+    for lname, lin in [*LINEARS.items()] * 2:
+        model.linear = lin
+        key = f"cpu_{lname}_ms"
+        row[key] = min(timed(), row.get(key, float("inf")))
+    model.linear = chosen
+    for name in ("torch", "cpu"):
+        model.attention = backends[name]
+        row[f"profile_{name}"] = _profile(step)
+    return row
+
+
+def _prefill_row(model: Model, cfg: Any, backends: dict[str, Any], n: int) -> dict[str, Any]:
+    """A prefill of `n` prompt tokens with each backend (best of 3, alternated twice)."""
+    nb = -(-n // BS)
+    cache = KVCache(cfg, nb + 1, BS, torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(BS, BS + n),
+        block_tables=torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb),
+        seq_lens=[n],
+        query_lens=[n],
+        num_decodes=0,
+        block_size=BS,
+    )
+    tokens, pos = torch.randint(100, 1000, (n,)), torch.arange(n)
+    row: dict[str, Any] = {"prefill_tokens": n}
+    for name, backend in [*backends.items()] * 2:
+        model.attention = backend
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            hidden = model.forward(tokens, pos, meta, cache.layers)
+            model.logits(hidden[-1:])
+            times.append(time.perf_counter() - t)
+        best = round(min(times) * 1e3, 1)
+        row[f"{name}_ms"] = min(best, row.get(f"{name}_ms", float("inf")))
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -82,8 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     loaded = load_model(resolve_model_path(args.model), progress=False)
     cfg = loaded.config
-    cpu = torch.device("cpu")
-    model = Model(cfg, loaded.weights, cpu, torch.float32, 4096)
+    model = Model(cfg, loaded.weights, torch.device("cpu"), torch.float32, 4096)
     scale = cfg.head_dim**-0.5
     backends: dict[str, Any] = {
         "torch": TorchPagedAttention(scale),
@@ -91,94 +182,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if args.compare_ref:
         backends = {f"at {args.compare_ref}": _old_attention(args.compare_ref)(scale), **backends}
-    bs = 16
     report: dict[str, Any] = {"benchmark": "decode_step", "threads": torch.get_num_threads()}
-    rows = []
+    report["steps"] = []
     for shape in args.shapes.split(","):
         b, c = (int(x) for x in shape.split("x"))
-        nb = -(-c // bs)
-        cache = KVCache(cfg, b * nb + 1, bs, torch.float32, cpu)
-        ids = list(range(1, b * nb + 1))
-        random.Random(0).shuffle(ids)
-        tables = torch.tensor(ids, dtype=torch.int32).view(b, nb)
-        slots = tables[:, (c - 1) // bs].long() * bs + (c - 1) % bs
-        tokens = torch.randint(100, 1000, (b,))
-        pos = torch.full((b,), c - 1)
-
-        def step() -> None:
-            meta = AttentionMetadata(
-                slot_mapping=slots,  # noqa: B023
-                block_tables=tables,  # noqa: B023
-                seq_lens=[c] * b,  # noqa: B023
-                query_lens=[1] * b,  # noqa: B023
-                num_decodes=b,  # noqa: B023
-                block_size=bs,
-            )
-            model.logits(model.forward(tokens, pos, meta, cache.layers))  # noqa: B023
-
-        def timed() -> float:
-            times = []
-            for _ in range(6):
-                t = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t)
-            return round(statistics.median(times[1:]) * 1e3, 1)
-
-        row: dict[str, Any] = {"batch": b, "context": c}
-        for name, backend in backends.items():
-            model.attention = backend
-            row[f"{name}_ms"] = timed()
-        model.attention = backends["cpu"]
-        chosen = model.linear
-        # Alternated, twice each: this machine's speed drifts within a run.
-        for lname, lin in [*LINEARS.items()] * 2:
-            model.linear = lin
-            key = f"cpu_{lname}_ms"
-            row[key] = min(timed(), row.get(key, float("inf")))
-        model.linear = chosen
-        for name in ("torch", "cpu"):
-            model.attention = backends[name]
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                step()
-            share: dict[str, float] = defaultdict(float)
-            total = 0.0
-            for ev in prof.key_averages():
-                total += ev.self_cpu_time_total
-                cat = next(
-                    (k for k, names in CATEGORIES.items() if ev.key.startswith(names)), "other"
-                )
-                share[cat] += ev.self_cpu_time_total
-            row[f"profile_{name}"] = {k: round(v / total, 3) for k, v in sorted(share.items())}
-        rows.append(row)
+        report["steps"].append(row := _decode_row(model, cfg, backends, b, c))
         print(json.dumps(row), flush=True)
-    report["steps"] = rows
     report["prefills"] = []
     for n in (int(x) for x in args.prefills.split(",") if x):
-        nb = -(-n // bs)
-        cache = KVCache(cfg, nb + 1, bs, torch.float32, cpu)
-        slots = torch.arange(bs, bs + n)
-        table = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
-        tokens, pos = torch.randint(100, 1000, (n,)), torch.arange(n)
-        prow: dict[str, Any] = {"prefill_tokens": n}
-        for name, backend in [*backends.items()] * 2:
-            model.attention = backend
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                meta = AttentionMetadata(
-                    slot_mapping=slots,
-                    block_tables=table,
-                    seq_lens=[n],
-                    query_lens=[n],
-                    num_decodes=0,
-                    block_size=bs,
-                )
-                hidden = model.forward(tokens, pos, meta, cache.layers)
-                model.logits(hidden[-1:])
-                times.append(time.perf_counter() - t)
-            best = round(min(times) * 1e3, 1)
-            prow[f"{name}_ms"] = min(best, prow.get(f"{name}_ms", float("inf")))
-        report["prefills"].append(prow)
+        report["prefills"].append(prow := _prefill_row(model, cfg, backends, n))
         print(json.dumps(prow), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
