@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -87,10 +88,12 @@ class ClientTLS:
             certificate_chain=_read(self.cert, f"{p}-cert") if self.cert else None,
         )
 
-    def aio_channel(self, address: str) -> grpc.aio.Channel:
+    def aio_channel(
+        self, address: str, options: list[tuple[str, Any]] | None = None
+    ) -> grpc.aio.Channel:
         if self.enabled:
-            return grpc.aio.secure_channel(address, self.credentials())
-        return grpc.aio.insecure_channel(address)
+            return grpc.aio.secure_channel(address, self.credentials(), options=options)
+        return grpc.aio.insecure_channel(address, options=options)
 
     def channel(self, address: str) -> grpc.Channel:
         if self.enabled:

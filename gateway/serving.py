@@ -1,0 +1,319 @@
+"""The two generate endpoints, as vLLM splits them (serving_completion / serving_chat):
+one skeleton (model check, generate calls, a stream of SSE chunks or one collected
+response) and a subclass per endpoint for what differs: the calls a body makes, the
+shape of a chunk's choice and of the whole response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.errors import APIError
+from gateway.generation import (
+    FINISH,
+    Delta,
+    StreamItem,
+    chat_call,
+    check_model,
+    collect_calls,
+    completion_calls,
+    detokenize,
+    start_stream,
+)
+from gateway.multiplex import Multiplexer
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from hetero_common.accumulate import ChoiceResult
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    return (
+        f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+    )
+
+
+def usage_json(u: pb.Usage) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    }
+    if u.cached_prompt_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": u.cached_prompt_tokens}
+    return out
+
+
+def completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict[str, Any]:
+    tokens, offsets = [], []
+    for lp in lps:
+        offsets.append(offset)
+        tokens.append(lp.token)
+        offset += len(lp.token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:
+    def one(t: Any) -> dict[str, Any]:  # a TokenLogprob or one of its top_logprobs
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
+
+    return {
+        "content": [{**one(lp), "top_logprobs": [one(t) for t in lp.top_logprobs]} for lp in lps]
+    }
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first, cancel it (and so its gRPC calls)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    finally:
+        watcher.cancel()
+
+
+@dataclass
+class Call(Generic[Body]):
+    """One HTTP request being served: its body, generate calls and response identity."""
+
+    body: Body
+    model: str
+    calls: list[pb.GenerateRequest]
+    id: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    offsets: dict[int, int] = field(default_factory=dict)  # completions' logprob offsets
+
+
+class Serving(Generic[Body]):
+    """The skeleton of a generate endpoint; subclasses fill in the shapes."""
+
+    id_prefix = ""
+    chunk_object = ""
+
+    def __init__(
+        self,
+        model_name: Callable[[], Awaitable[str]],
+        mux: Multiplexer,
+        stub: Callable[[], pb_grpc.ControlPlaneStub],
+        timeout: float,
+    ) -> None:
+        self.model_name, self.mux, self.stub, self.timeout = model_name, mux, stub, timeout
+
+    async def __call__(self, body: Body, request: Request) -> Response:
+        model = await self.model_name()
+        check_model(body.model, model)
+        self.check(body)
+        call = Call(body, model, self.calls(body), f"{self.id_prefix}{uuid.uuid4().hex}")
+        if body.stream:
+            stream = await cancel_on_disconnect(
+                request, start_stream(self.mux, call.calls, self.timeout)
+            )
+            return StreamingResponse(self.events(call, stream), media_type="text/event-stream")
+        return JSONResponse(await cancel_on_disconnect(request, self.collect(call)))
+
+    # What a subclass provides.
+    def check(self, body: Body) -> None:
+        """Refuse a combination of fields the endpoint does not serve (APIError)."""
+
+    def calls(self, body: Body) -> list[pb.GenerateRequest]:
+        raise NotImplementedError
+
+    async def head(self, call: Call[Body], prompt_ids: list[list[int]] | None) -> list[bytes]:
+        """Chunks before the deltas (prompt_ids: once every call is admitted)."""
+        return []
+
+    def delta_choice(self, call: Call[Body], d: Delta) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def response(
+        self,
+        call: Call[Body],
+        states: dict[int, ChoiceResult],
+        usage: pb.Usage,
+        prompts: list[list[int]],
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # The skeleton.
+    def chunk(
+        self, call: Call[Body], choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return {
+            "id": call.id,
+            "object": self.chunk_object,
+            "created": call.created,
+            "model": call.model,
+            **self.chunk_extra,
+            "choices": choices,
+            "usage": usage,
+        }
+
+    chunk_extra: dict[str, Any] = {}  # noqa: RUF012 -- read-only
+
+    async def events(
+        self, call: Call[Body], stream: AsyncIterator[StreamItem]
+    ) -> AsyncIterator[bytes]:
+        body = call.body
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        for chunk in await self.head(call, None):
+            yield chunk
+        try:
+            async for deltas, usage, prompt_ids in stream:
+                if prompt_ids is not None:
+                    for chunk in await self.head(call, prompt_ids):
+                        yield chunk
+                for d in deltas:
+                    c = d.choice
+                    if c.text or c.finish_reason or c.logprobs:
+                        yield sse(self.chunk(call, [self.delta_choice(call, d)]))
+                if usage is not None and include_usage:
+                    yield sse(self.chunk(call, [], usage_json(usage)))
+        except APIError as e:
+            yield sse(e.body())
+        yield sse("[DONE]")
+
+    async def collect(self, call: Call[Body]) -> dict[str, Any]:
+        states, usage, prompts = await collect_calls(self.mux, call.calls, self.timeout)
+        return await self.response(call, states, usage, prompts)
+
+
+class CompletionServing(Serving[CompletionRequest]):
+    id_prefix = "cmpl-"
+    chunk_object = "text_completion"
+
+    def check(self, body: CompletionRequest) -> None:
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported", param="echo")
+
+    def calls(self, body: CompletionRequest) -> list[pb.GenerateRequest]:
+        return completion_calls(body)
+
+    async def prefixes(
+        self, call: Call[CompletionRequest], prompt_ids: list[list[int]]
+    ) -> list[str]:
+        """With echo, each prompt's text (token-id prompts detokenised), else ""."""
+        if not call.body.echo:
+            return [""] * len(call.calls)
+        out = []
+        for c, ids in zip(call.calls, prompt_ids, strict=True):
+            text = c.text if c.WhichOneof("input") == "text" else await detokenize(self.stub(), ids)
+            out.append(text)
+        return out
+
+    async def head(
+        self, call: Call[CompletionRequest], prompt_ids: list[list[int]] | None
+    ) -> list[bytes]:
+        if prompt_ids is None or not call.body.echo:
+            return []
+        echo, n = await self.prefixes(call, prompt_ids), call.body.n
+        choices = [
+            {"index": i * n + k, "text": echo[i], "logprobs": None, "finish_reason": None}
+            for i in range(len(call.calls))
+            for k in range(n)
+        ]
+        return [sse(self.chunk(call, choices))]
+
+    def delta_choice(self, call: Call[CompletionRequest], d: Delta) -> dict[str, Any]:
+        c, lp = d.choice, None
+        if call.body.logprobs is not None:
+            at = call.offsets.get(d.index, 0)
+            lp = completion_logprobs(list(c.logprobs), at)
+            call.offsets[d.index] = at + sum(len(x.token) for x in c.logprobs)
+        reason = FINISH.get(c.finish_reason)
+        return {"index": d.index, "text": c.text, "logprobs": lp, "finish_reason": reason}
+
+    async def response(
+        self,
+        call: Call[CompletionRequest],
+        states: dict[int, ChoiceResult],
+        usage: pb.Usage,
+        prompts: list[list[int]],
+    ) -> dict[str, Any]:
+        echo, body = await self.prefixes(call, prompts), call.body
+        choices = []
+        for idx in sorted(states):
+            st, prefix = states[idx], echo[idx // body.n]
+            lp = (
+                completion_logprobs(st.logprobs, len(prefix)) if body.logprobs is not None else None
+            )
+            reason = FINISH.get(st.finish_reason)
+            choices.append(
+                {"index": idx, "text": prefix + st.text, "logprobs": lp, "finish_reason": reason}
+            )
+        return self.chunk(call, choices, usage_json(usage))
+
+
+class ChatServing(Serving[ChatCompletionRequest]):
+    id_prefix = "chatcmpl-"
+    chunk_object = "chat.completion.chunk"
+    chunk_extra = {"system_fingerprint": None}  # noqa: RUF012 -- read-only
+
+    def calls(self, body: ChatCompletionRequest) -> list[pb.GenerateRequest]:
+        return [chat_call(body)]
+
+    async def head(
+        self, call: Call[ChatCompletionRequest], prompt_ids: list[list[int]] | None
+    ) -> list[bytes]:
+        if prompt_ids is not None:
+            return []
+        first = {"role": "assistant", "content": ""}
+        choices = [
+            {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
+            for i in range(call.body.n)
+        ]
+        return [sse(self.chunk(call, choices))]
+
+    def delta_choice(self, call: Call[ChatCompletionRequest], d: Delta) -> dict[str, Any]:
+        c = d.choice
+        lp = chat_logprobs(list(c.logprobs)) if call.body.logprobs else None
+        delta = {"content": c.text} if c.text else {}
+        return {
+            "index": d.index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": FINISH.get(c.finish_reason),
+        }
+
+    async def response(
+        self,
+        call: Call[ChatCompletionRequest],
+        states: dict[int, ChoiceResult],
+        usage: pb.Usage,
+        prompts: list[list[int]],
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": states[i].text},
+                "logprobs": chat_logprobs(states[i].logprobs) if call.body.logprobs else None,
+                "finish_reason": FINISH.get(states[i].finish_reason),
+            }
+            for i in sorted(states)
+        ]
+        out = self.chunk(call, choices, usage_json(usage))
+        out["object"] = "chat.completion"
+        return out

@@ -1,0 +1,225 @@
+"""The gateway's serving classes in-process: FastAPI's TestClient in front, a fake control
+link behind (a fake is fine here: the unit under test is the gateway). Expected shapes
+are the OpenAI API's documented ones (completions, chat completions, their chunks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.errors import APIError
+from hetero_proto import control_pb2 as pb
+
+MODEL = "tiny-model"
+PROMPT_IDS = [11, 12, 13]
+
+
+class FakeMux:
+    """Answers each generate call with a scripted stream: admitted, then `pieces` as
+    deltas of every choice, then the usage; or fails it with `error`."""
+
+    def __init__(self) -> None:
+        self.pieces = ["Hel", "lo", "!"]
+        self.error: APIError | None = None
+        self.calls: list[pb.GenerateRequest] = []
+        self.cancelled: list[str] = []
+
+    def start(
+        self, calls: list[pb.GenerateRequest], queue: asyncio.Queue, timeout: float
+    ) -> list[str]:  # type: ignore[type-arg]
+        self.calls += calls
+        for i, call in enumerate(calls):
+            if self.error is not None:
+                queue.put_nowait(self.error)
+                continue
+            n = call.params.n or 1
+            queue.put_nowait((i, pb.GenerateResponse(prompt_token_ids=PROMPT_IDS)))
+            for k, text in enumerate(self.pieces):
+                last = k == len(self.pieces) - 1
+                resp = pb.GenerateResponse()
+                for c in range(n):
+                    d = resp.choices.add(index=c, text=text, token_ids=[100 + k])
+                    if call.params.logprobs:
+                        d.logprobs.add(token_id=100 + k, token=text, logprob=-0.25)
+                    if last:
+                        d.finish_reason = pb.FINISH_REASON_LENGTH
+                if last:
+                    resp.usage.prompt_tokens = len(PROMPT_IDS)
+                    resp.usage.completion_tokens = n * len(self.pieces)
+                queue.put_nowait((i, resp))
+            queue.put_nowait(None)
+        return [f"r{i}" for i in range(len(calls))]
+
+    def cancel(self, ids: list[str]) -> None:
+        self.cancelled += ids
+
+    async def close(self) -> None:
+        return None
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.mux = FakeMux()
+        self.closed = False
+
+    async def model_name(self) -> str:
+        return MODEL
+
+    async def info(self, timeout: float = 2.0) -> pb.ModelInfoResponse:
+        return pb.ModelInfoResponse(model_name=MODEL, max_model_len=2048, compute_attached=True)
+
+    def open(self) -> Any:
+        raise AssertionError("no gRPC stub in these tests")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def link() -> FakeLink:
+    return FakeLink()
+
+
+@pytest.fixture
+def client(link: FakeLink):  # type: ignore[no-untyped-def]
+    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        yield c
+    assert link.closed  # the lifespan closed the link on shutdown
+
+
+def _events(text: str) -> list[Any]:
+    datas = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert datas[-1] == "[DONE]"
+    return [json.loads(d) for d in datas[:-1]]
+
+
+def test_completion(client: TestClient, link: FakeLink) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 200 and r.headers["x-request-id"]
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == MODEL
+    assert body["choices"] == [
+        {"index": 0, "text": "Hello!", "logprobs": None, "finish_reason": "length"}
+    ]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert link.mux.calls[0].text == "Hi" and link.mux.calls[0].params.max_tokens == 3
+
+
+def test_completion_batch_of_prompts_with_n(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 3}
+    )
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]  # prompt i, choice k -> i * n + k
+    assert all(c["text"] == "Hello!" for c in choices)
+
+
+def test_completion_stream_with_usage(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "Hi",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = _events(r.text)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == "Hello!"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 6
+
+
+def test_completion_logprobs_have_text_offsets(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "logprobs": 1})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["Hel", "lo", "!"] and lp["text_offset"] == [0, 3, 5]
+    assert lp["token_logprobs"] == [-0.25] * 3
+
+
+def test_chat(client: TestClient) -> None:
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2},
+    )
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert [c["message"] for c in body["choices"]] == [
+        {"role": "assistant", "content": "Hello!"}
+    ] * 2
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["usage"]["completion_tokens"] == 6
+
+
+def test_chat_stream_starts_with_the_role(client: TestClient) -> None:
+    r = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "stream": True,
+            "logprobs": True,
+        },
+    )
+    chunks = _events(r.text)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:])
+    assert content == "Hello!"
+    assert chunks[1]["choices"][0]["logprobs"]["content"][0]["token"] == "Hel"
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (APIError(400, "bad prompt", param="prompt"), 400),
+        (APIError(429, "queue full", type="rate_limit_error"), 429),
+        (APIError(503, "no compute plane", type="service_unavailable"), 503),
+        (APIError(504, "Deadline Exceeded", type="timeout"), 504),
+    ],
+)
+def test_a_control_plane_error_is_an_openai_error(
+    client: TestClient, link: FakeLink, error: APIError, status: int
+) -> None:
+    link.mux.error = error
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi"})
+    assert r.status_code == status
+    assert r.json() == {
+        "error": {"message": error.message, "type": error.type, "param": error.param, "code": None}
+    }
+    if status in (429, 503):
+        assert r.headers["retry-after"] == "1"
+
+
+def test_wrong_model_is_404(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": "other", "prompt": "Hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_unimplemented_field_is_a_400_that_names_it(client: TestClient) -> None:
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "suffix": "the end"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+def test_echo_with_logprobs_is_refused(client: TestClient) -> None:
+    r = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_models_and_ready(client: TestClient) -> None:
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert client.get("/ready").json() == {"status": "ready", "model": MODEL}
+    assert client.get("/health").json() == {"status": "ok"}
