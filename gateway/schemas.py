@@ -1,4 +1,4 @@
-"""OpenAI request bodies, validated. Responses are built as plain dicts in gateway/openai.py.
+"""OpenAI request bodies, validated. Responses are built as plain dicts in gateway/serving.py.
 
 Fields follow the OpenAI API reference; `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens` and `stop_token_ids` are vLLM-style extensions.
