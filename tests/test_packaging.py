@@ -29,29 +29,26 @@ def _floor(spec: str) -> str:
     return m.group(1)
 
 
-def _protobuf_generated_version() -> str:
-    versions = {
-        re.search(r"# Protobuf Python Version: (\S+)", p.read_text()).group(1)  # type: ignore[union-attr]
-        for p in (REPO / "hetero_proto").glob("*_pb2.py")
-    }
+def _generated_version(glob: str, pattern: str) -> str:
+    """The one version every generated file of `glob` names (`pattern`'s group 1)."""
+    versions = set()
+    for path in (REPO / "hetero_proto").glob(glob):
+        m = re.search(pattern, path.read_text())
+        assert m, f"{path}: no generator version"
+        versions.add(m.group(1))
     assert len(versions) == 1, versions
     return versions.pop()
 
 
-def _grpc_generated_version() -> str:
-    versions = {
-        re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", p.read_text()).group(1)  # type: ignore[union-attr]
-        for p in (REPO / "hetero_proto").glob("*_pb2_grpc.py")
-    }
-    assert len(versions) == 1, versions
-    return versions.pop()
+PROTOBUF = ("*_pb2.py", r"# Protobuf Python Version: (\S+)")
+GRPC = ("*_pb2_grpc.py", r"GRPC_GENERATED_VERSION = '([^']+)'")
 
 
 def test_floors_are_the_versions_that_generated_the_stubs() -> None:
     reqs = _requirements()
-    assert _floor(reqs["protobuf"]) == _protobuf_generated_version()
+    assert _floor(reqs["protobuf"]) == _generated_version(*PROTOBUF)
     for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
-        assert _floor(reqs[name]) == _grpc_generated_version(), name
+        assert _floor(reqs[name]) == _generated_version(*GRPC), name
 
 
 def test_the_base_install_has_no_torch() -> None:

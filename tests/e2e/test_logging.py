@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,27 +20,43 @@ pytestmark = pytest.mark.slow
 SECRET = "Zanzibar-7f3a-confidential"
 
 
-def test_no_prompt_or_output_in_logs(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _three_planes(
+    tmp_path: Path, flags: tuple[str, ...] = (), stdout_too: bool = True
+) -> Iterator[tuple[str, dict[str, Path]]]:
+    """The three planes as processes (with `flags` after each subcommand), each logging to
+    a file (stderr, and stdout with `stdout_too`); yields the gateway URL and the files."""
     kport, cport, gport = free_port(), free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
     planes = {
-        "compute": ["compute-plane", "--port", str(kport), "--kv-cache-bytes", str(64 << 20)],
-        "control": ["control-plane", "--port", str(cport), "--compute", compute],
-        "gateway": ["gateway", "--port", str(gport), "--control", control],
+        "compute": ["compute-plane", *flags, "--port", str(kport)],
+        "control": ["control-plane", *flags, "--port", str(cport), "--compute", compute],
+        "gateway": ["gateway", *flags, "--port", str(gport), "--control", control],
     }
-    planes["compute"] += ["--metrics-port", str(free_port())]
+    planes["compute"] += ["--kv-cache-bytes", str(64 << 20), "--metrics-port", str(free_port())]
     planes["control"] += ["--metrics-port", str(free_port())]
     procs: list[subprocess.Popen[bytes]] = []
     logs = {name: tmp_path / f"{name}.log" for name in planes}
     try:
         for name, args in planes.items():
             with logs[name].open("wb") as out:
-                cmd = [sys.executable, "-m", "hetero_infer.cli", *args]  # default --log-level
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+                cmd = [sys.executable, "-m", "hetero_infer.cli", *args]
+                if stdout_too:
+                    procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+                else:
+                    procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out))
             if name != "gateway":
                 wait_serving(compute if name == "compute" else control, procs[-1])
         url = f"http://127.0.0.1:{gport}"
         wait_http_ready(url + "/ready", procs[-1])
+        yield url, logs
+    finally:
+        for p in reversed(procs):
+            stop_process(p)
+
+
+def test_no_prompt_or_output_in_logs(tmp_path: Path) -> None:
+    with _three_planes(tmp_path) as (url, logs):  # the default --log-level
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         outputs = []
@@ -60,9 +78,6 @@ def test_no_prompt_or_output_in_logs(tmp_path: Path) -> None:
                 timeout=60,
             )
             assert r.status_code == 400, r.text
-    finally:
-        for p in reversed(procs):
-            stop_process(p)
     text = {name: path.read_text(errors="replace") for name, path in logs.items()}
     assert "INFO" in text["control"] and "INFO" in text["compute"]  # logging was on
     assert "POST /v1/completions" in text["gateway"]  # the access log was on
@@ -77,28 +92,9 @@ def test_json_logs_carry_one_request_id_through_three_planes(tmp_path: Path) -> 
     """--log-format json: every stderr line of every plane is a JSON object, and the
     client's X-Request-Id names the request in the gateway's, the control plane's and
     the compute plane's lines, and comes back in the response header, errors included."""
-    kport, cport, gport = free_port(), free_port(), free_port()
-    compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
-    json_logs = ["--log-format", "json"]  # after the subcommand, as `serve --log-format json`
-    planes = {
-        "compute": ["compute-plane", *json_logs, "--port", str(kport)],
-        "control": ["control-plane", *json_logs, "--port", str(cport), "--compute", compute],
-        "gateway": ["gateway", *json_logs, "--port", str(gport), "--control", control],
-    }
-    planes["compute"] += ["--kv-cache-bytes", str(64 << 20), "--metrics-port", str(free_port())]
-    planes["control"] += ["--metrics-port", str(free_port())]
     rid, bad_rid = "trace-4b1d-0001", "trace-4b1d-0002"
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = {name: tmp_path / f"{name}.err" for name in planes}
-    try:
-        for name, args in planes.items():
-            with logs[name].open("wb") as err:
-                cmd = [sys.executable, "-m", "hetero_infer.cli", *args]
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err))
-            if name != "gateway":
-                wait_serving(compute if name == "compute" else control, procs[-1])
-        url = f"http://127.0.0.1:{gport}"
-        wait_http_ready(url + "/ready", procs[-1])
+    json_logs = ("--log-format", "json")  # after the subcommand, as `serve --log-format json`
+    with _three_planes(tmp_path, json_logs, stdout_too=False) as (url, logs):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         model = client.models.list().data[0].id
         raw = client.chat.completions.with_raw_response.create(
@@ -120,9 +116,6 @@ def test_json_logs_carry_one_request_id_through_three_planes(tmp_path: Path) -> 
         assert refused.headers["x-request-id"] == bad_rid  # the body stays OpenAI's own
         made = httpx.get(url + "/v1/models", timeout=30).headers["x-request-id"]
         assert made and made not in (rid, bad_rid)  # one is made when none is given
-    finally:
-        for p in reversed(procs):
-            stop_process(p)
     for name, path in logs.items():
         lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
         records = [json.loads(ln) for ln in lines]  # fails on any line that is not JSON
