@@ -7,7 +7,7 @@ Runs the model's forward and lm_head for B decodes at context C over a KV cache 
 blocks are scattered, as in a long-running server, with the torch backend (gather +
 SDPA) and the cpu backend (C kernel reading blocks in place), and profiles each; then
 the cpu backend's step with the projections by MKL (F.linear) and by oneDNN. `--compare-ref` loads
-`compute_plane/attention.py` as it was at a git revision (through `git show`) and
+`compute_plane/attention/torch_backend.py` (before: `compute_plane/attention.py`) as it was at a git revision (through `git show`) and
 times the same step with it: the before/after of an attention change. `--prefills`
 times the prefill of one prompt of N tokens with nothing cached (forward + lm_head of
 its last row) with each backend, alternated, best of two.
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
-from compute_plane.attention_cpu import CPUPagedAttention
+from compute_plane.attention.cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
 from compute_plane.loader import load_model
 from compute_plane.model import Model, onednn_linear
@@ -57,12 +57,12 @@ CATEGORIES = {
 
 
 def _old_attention(ref: str) -> Any:
-    src = subprocess.run(
-        ["git", "show", f"{ref}:compute_plane/attention.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    for where in ("compute_plane/attention/torch_backend.py", "compute_plane/attention.py"):
+        show = subprocess.run(["git", "show", f"{ref}:{where}"], capture_output=True, text=True)
+        if show.returncode == 0:  # the package's file, or the module it was before
+            break
+    show.check_returncode()
+    src = show.stdout
     path = Path(tempfile.mkdtemp()) / "attention_at_ref.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("attention_at_ref", path)

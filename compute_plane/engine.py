@@ -16,14 +16,10 @@ import torch
 
 from compute_plane import metrics
 from compute_plane.attention import AttentionMetadata
+from compute_plane.attention.factory import model_kernels, resolve_attention_backend
 from compute_plane.config import ComputeConfig
 from compute_plane.cuda_graphs import DecodeGraphs
-from compute_plane.device import (
-    model_kernels,
-    resolve_attention_backend,
-    resolve_device,
-    resolve_dtype,
-)
+from compute_plane.device import resolve_device, resolve_dtype
 from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, num_blocks_for_budget
 from compute_plane.loader import LoadedModel

@@ -64,7 +64,7 @@ def pick_linear(device: torch.device, dtype: torch.dtype) -> Linear:
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """The kernels a forward runs; torch's by default, Triton's on CUDA (attention_triton.py)."""
+    """The kernels a forward runs; torch's by default, Triton's on CUDA (attention/triton_backend.py)."""
 
     attention: AttentionBackend
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]

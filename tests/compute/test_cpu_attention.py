@@ -19,10 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compute_plane import attention_cpu
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
-from compute_plane.attention_cpu import CPUPagedAttention, KernelUnavailable, load_kernel
-from compute_plane.device import resolve_attention_backend
+from compute_plane.attention import cpu as attention_cpu
+from compute_plane.attention.cpu import CPUPagedAttention, KernelUnavailable, load_kernel
+from compute_plane.attention.factory import resolve_attention_backend
 from tests.kernels.reference import PagedCache, attend
 
 CPU = torch.device("cpu")

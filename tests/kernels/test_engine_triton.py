@@ -23,7 +23,7 @@ from tests.kernels.reference import DEVICE, PagedCache
 
 pytest.importorskip("triton")
 
-from compute_plane.attention_triton import TritonPagedAttention
+from compute_plane.attention.triton_backend import TritonPagedAttention
 
 BLOCK = 8
 

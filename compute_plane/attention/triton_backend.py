@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from compute_plane.attention import AttentionMetadata
+from compute_plane.attention.torch_backend import AttentionMetadata
 from compute_plane.kernels import cache_ops
 from compute_plane.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from compute_plane.kernels.prefill_attention import paged_prefill_attention

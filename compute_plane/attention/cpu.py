@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from compute_plane.attention import AttentionMetadata, TorchPagedAttention
+from compute_plane.attention.torch_backend import AttentionMetadata, TorchPagedAttention
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+SOURCE = Path(__file__).parents[1] / "csrc" / "paged_attention_cpu.c"
 # -ffast-math lets the reductions and expf vectorise. It is given to the compile step only:
 # linking with it adds crtfastmath.o, which would switch the whole process (torch included)
 # to flush-to-zero on load.

@@ -37,7 +37,7 @@ class AttentionMetadata:
     prefill_spans: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list
     )
-    # Derived by the Triton backend's prepare() (attention_triton.py). seq_lens_tensor may
+    # Derived by the Triton backend's prepare() (triton_backend.py). seq_lens_tensor may
     # be given instead: CUDA graphs pass a static buffer that replays overwrite.
     seq_lens_tensor: torch.Tensor | None = None  # [B] int32, on the device
     query_start_loc: torch.Tensor | None = None  # [P + 1] int32: prefill chunks' query rows
