@@ -8,9 +8,7 @@ rejected whole (StepRejected) before any state changes.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +22,15 @@ from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, num_blocks_for_budget
 from compute_plane.loader import LoadedModel
 from compute_plane.model import Model
-from compute_plane.sampler import sample
+from compute_plane.model_runner import ModelRunner
+from compute_plane.requests import (
+    RequestState,
+    Row,
+    StepLimits,
+    StepValidator,
+)
+from compute_plane.sampler import SampleOutput
 from hetero_common.logs import split_choice_id
-from hetero_common.sampling_params import SamplingSpec
 from hetero_proto import compute_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -37,37 +41,6 @@ def _log_request(message: str, choice_id: str) -> None:
     if log.isEnabledFor(logging.INFO):
         request_id, choice = split_choice_id(choice_id)
         log.info(message, extra={"request_id": request_id, "choice": choice})
-
-
-class StepRejected(Exception):
-    """A step the engine will not run; `code` is a gRPC status code name."""
-
-    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class RequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    block_ids: list[int]
-    sampling: SamplingSpec
-
-
-@dataclass
-class _Row:
-    """One request's share of a step."""
-
-    request_id: str
-    state: RequestState
-    start: int  # first position computed this step
-    count: int  # tokens computed this step
-
-    @property
-    def samples(self) -> bool:
-        return self.start + self.count == len(self.state.token_ids)
 
 
 class Engine:
@@ -107,6 +80,25 @@ class Engine:
             )
             if self.device.type == "cuda" and config.cuda_graphs and backend == "triton"
             else None
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            self.graphs,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            self.device,
+        )
+        cuda = self.device.type == "cuda"
+        self.validator = StepValidator(
+            StepLimits(
+                num_blocks,
+                self.block_size,
+                cfg.vocab_size,
+                self.max_model_len,
+                config.max_num_batched_tokens if cuda else None,
+            )
         )
         self.requests: dict[str, RequestState] = {}
         self.counters = pb.StatsResponse()
@@ -191,7 +183,7 @@ class Engine:
 
     def step(self, req: pb.StepRequest) -> pb.StepResult:
         """Run one step. Raises StepRejected (no state changed) for a malformed step."""
-        rows = self._validate(req)
+        rows = self.validator.validate(req, self.requests)
         for rid in req.finished_ids:
             if self.requests.pop(rid, None) is not None:
                 _log_request("request released", rid)
@@ -203,154 +195,20 @@ class Engine:
             self.requests[c.request_id].block_ids.extend(c.new_block_ids)
         result = pb.StepResult(step_id=req.step_id)
         if rows:
-            self._run([_Row(rid, st, st.num_computed_tokens, n) for rid, st, n in rows], result)
+            self._run([Row(rid, st, st.num_computed_tokens, n) for rid, st, n in rows], result)
         self.counters.num_steps += 1
         self.counters.num_requests_added += len(req.new_requests)
         return result
 
-    # ----------------------------------------------------------- validation
-    def _validate(self, req: pb.StepRequest) -> list[tuple[str, RequestState, int]]:
-        """Check the whole step; return (id, state, num tokens) per scheduled request."""
-        nb = self.num_blocks
-        finished = set(req.finished_ids)
-        seen: set[str] = set()
-        rows: list[tuple[str, RequestState, int]] = []
-
-        def check_blocks(rid: str, blocks: list[int]) -> None:
-            if blocks and (min(blocks) < 1 or max(blocks) >= nb):
-                bad = next(b for b in blocks if not 1 <= b < nb)
-                raise StepRejected(
-                    f"request {rid!r}: block id {bad} out of range (valid: 1..{nb - 1}; 0 is the null block)"
-                )
-
-        def check_once(rid: str) -> None:
-            if rid in seen:
-                raise StepRejected(f"request {rid!r} appears twice in step {req.step_id}")
-            seen.add(rid)
-
-        for n in req.new_requests:
-            rid = n.request_id
-            check_once(rid)
-            if rid in self.requests and rid not in finished:
-                raise StepRejected(f"request {rid!r} is already active; send it as continuing")
-            tokens = list(n.token_ids)
-            if not tokens:
-                raise StepRejected(f"request {rid!r}: no token ids")
-            if min(tokens) < 0 or max(tokens) >= self.model_config.vocab_size:
-                raise StepRejected(
-                    f"request {rid!r}: token id out of range 0..{self.model_config.vocab_size - 1}"
-                )
-            if len(tokens) > self.max_model_len:
-                raise StepRejected(
-                    f"request {rid!r}: {len(tokens)} tokens exceed max_model_len {self.max_model_len}"
-                )
-            if not 0 <= n.num_prompt_tokens <= len(tokens):
-                raise StepRejected(
-                    f"request {rid!r}: num_prompt_tokens {n.num_prompt_tokens} not in 0..{len(tokens)}"
-                )
-            if n.num_computed_tokens < 0:
-                raise StepRejected(f"request {rid!r}: negative num_computed_tokens")
-            blocks = list(n.block_ids)
-            check_blocks(rid, blocks)
-            spec = SamplingSpec.from_proto(n.sampling)
-            problem = spec.validate()
-            if problem:
-                raise StepRejected(f"request {rid!r}: {problem}")
-            state = RequestState(tokens, n.num_prompt_tokens, n.num_computed_tokens, blocks, spec)
-            self._check_count(rid, state, len(blocks), n.num_scheduled_tokens)
-            rows.append((rid, state, n.num_scheduled_tokens))
-
-        def active(rid: str) -> RequestState:
-            check_once(rid)
-            if rid not in self.requests or rid in finished:
-                raise StepRejected(f"unknown request id {rid!r} (not active on this compute plane)")
-            return self.requests[rid]
-
-        for c in req.continuing:
-            rid = c.request_id
-            state = active(rid)
-            check_blocks(rid, list(c.new_block_ids))
-            self._check_count(
-                rid, state, len(state.block_ids) + len(c.new_block_ids), c.num_scheduled_tokens
-            )
-            rows.append((rid, state, c.num_scheduled_tokens))
-        for rid in req.decode_ids:
-            state = active(rid)
-            self._check_count(rid, state, len(state.block_ids), 1)
-            rows.append((rid, state, 1))
-        total = sum(n for _, _, n in rows)
-        if self.device.type == "cuda" and total > self.config.max_num_batched_tokens:
-            raise StepRejected(
-                f"step of {total} tokens exceeds max_num_batched_tokens "
-                f"{self.config.max_num_batched_tokens} (the activation peak the KV pool was sized for)",
-                "RESOURCE_EXHAUSTED",
-            )
-        return rows
-
-    def _check_count(self, rid: str, state: RequestState, num_blocks: int, n: int) -> None:
-        end = state.num_computed_tokens + n
-        if n < 1:
-            raise StepRejected(f"request {rid!r}: num_scheduled_tokens must be >= 1, got {n}")
-        if end > len(state.token_ids):
-            raise StepRejected(
-                f"request {rid!r}: {n} tokens scheduled from position {state.num_computed_tokens} "
-                f"but only {len(state.token_ids)} tokens are known"
-            )
-        if end > num_blocks * self.block_size:
-            raise StepRejected(
-                f"request {rid!r}: {end} tokens do not fit in {num_blocks} blocks of {self.block_size}"
-            )
-
     # ------------------------------------------------------------- compute
-    def _run(self, rows: list[_Row], result: pb.StepResult) -> None:
+    def _run(self, rows: list[Row], result: pb.StepResult) -> None:
         rows.sort(key=lambda r: r.count != 1)  # decodes first (stable)
-        dev, bs = self.device, self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_idx: list[int] = []
-        for r in rows:
-            st = r.state
-            end = r.start + r.count
-            ids.extend(st.token_ids[r.start : end])
-            pos = range(r.start, end)
-            positions.extend(pos)
-            table = st.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if r.samples:
-                sample_idx.append(len(ids) - 1)
-        max_blocks = max(len(r.state.block_ids) for r in rows)
-        tables = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
-        for i, r in enumerate(rows):
-            tables[i, : len(r.state.block_ids)] = torch.tensor(r.state.block_ids, dtype=torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=tables.to(dev),
-            seq_lens=[r.start + r.count for r in rows],
-            query_lens=[r.count for r in rows],
-            num_decodes=sum(1 for r in rows if r.count == 1),
-            block_size=bs,
-        )
-        t0 = time.perf_counter_ns()
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        graph = self.graphs.padded_size(meta) if self.graphs is not None else None
-        if graph is not None:
-            assert self.graphs is not None
-            hidden = self.graphs.run(graph, input_ids, pos_t, meta)
-        else:
-            hidden = self.model.forward(input_ids, pos_t, meta, self.kv_cache.layers)
-        if self.capture_logits:
-            every = self.model.logits(hidden).split([r.count for r in rows])
-            for r, lg in zip(rows, every, strict=True):
+        out = self.runner.run(rows, self.capture_logits)
+        if out.logits_by_row is not None:
+            for r, lg in zip(rows, out.logits_by_row, strict=True):
                 self.captured_logits.setdefault(r.request_id, []).append(lg)
-        sampling_rows = [r for r in rows if r.samples]
-        t1 = time.perf_counter_ns()
-        if sampling_rows:
-            logits = self.model.logits(hidden[torch.tensor(sample_idx, device=dev)])
-            self._sample(sampling_rows, logits, result)
-        t2 = time.perf_counter_ns()
-
+        if out.sampled is not None:
+            self._take_samples([r for r in rows if r.samples], out.sampled, result)
         c = self.counters
         for r in rows:
             np_ = r.state.num_prompt_tokens
@@ -358,41 +216,19 @@ class Engine:
             c.num_prompt_tokens_computed += prompt_part
             c.num_output_tokens_computed += r.count - prompt_part
             r.state.num_computed_tokens += r.count
-        decodes = meta.num_decodes
+        decodes = sum(1 for r in rows if r.count == 1)
         kind = "decode" if decodes == len(rows) else "prefill" if decodes == 0 else "mixed"
         m = self._metric_labels
-        metrics.step_duration.labels(kind=kind, **m).observe((t2 - t0) / 1e9)
-        metrics.tokens_per_step.labels(**m).observe(len(ids))
+        metrics.step_duration.labels(kind=kind, **m).observe((out.forward_ns + out.sample_ns) / 1e9)
+        metrics.tokens_per_step.labels(**m).observe(out.num_tokens)
         metrics.seqs_per_step.labels(**m).observe(len(rows))
-        result.num_tokens = len(ids)
+        result.num_tokens = out.num_tokens
         result.num_seqs = len(rows)
-        result.forward_ns = t1 - t0
-        result.sample_ns = t2 - t1
+        result.forward_ns = out.forward_ns
+        result.sample_ns = out.sample_ns
 
-    def _sample(self, rows: list[_Row], logits: torch.Tensor, result: pb.StepResult) -> None:
-        specs = [r.state.sampling for r in rows]
-        penalised = [
-            s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty for s in specs
-        ]
-        out = sample(
-            logits,
-            specs,
-            [
-                r.state.token_ids[: r.state.num_prompt_tokens] if p else []
-                for r, p in zip(rows, penalised, strict=True)
-            ],
-            [
-                r.state.token_ids[r.state.num_prompt_tokens :] if p else []
-                for r, p in zip(rows, penalised, strict=True)
-            ],
-            [len(r.state.token_ids) for r in rows],
-            [
-                r.state.sampling.banned_until_min
-                if len(r.state.token_ids) - r.state.num_prompt_tokens < r.state.sampling.min_tokens
-                else ()
-                for r in rows
-            ],
-        )
+    def _take_samples(self, rows: list[Row], out: SampleOutput, result: pb.StepResult) -> None:
+        """Append each row's sampled token to its request; logprobs where asked."""
         sampled_ids: list[str] = []
         for i, r in enumerate(rows):
             tok = out.token_ids[i]

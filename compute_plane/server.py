@@ -24,7 +24,8 @@ import grpc
 
 from compute_plane import metrics
 from compute_plane.config import ComputeConfig
-from compute_plane.engine import Engine, StepRejected
+from compute_plane.engine import Engine
+from compute_plane.requests import StepRejected
 from hetero_common.grpc_server import GrpcPlane
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from compute_plane.config import ComputeConfig
-from compute_plane.engine import Engine, StepRejected
+from compute_plane.engine import Engine
 from compute_plane.loader import load_model
+from compute_plane.requests import StepRejected
 from control_plane.compute_client import InProcessLink, StepFailed
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine

@@ -1,0 +1,163 @@
+"""The model runner: prepare a step's inputs -> forward -> sample (nano-vllm's
+model_runner.py). Tensor building lives here and only here.
+
+Host-side input buffers (token ids, positions, slot mapping, block tables) are
+allocated once, for the configured step size, and sliced per step; a larger step
+grows them once. On CUDA they are pinned, so the copies to the device do not block.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from compute_plane.attention import AttentionMetadata
+from compute_plane.cuda_graphs import DecodeGraphs
+from compute_plane.kv_cache import KVCache
+from compute_plane.model import Model
+from compute_plane.requests import Row
+from compute_plane.sampler import SampleOutput, sample
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: list[Row]  # rows whose last token is sampled, in order
+    sample_index: torch.Tensor  # their last token's row in the hidden states
+
+
+@dataclass
+class StepOutput:
+    sampled: SampleOutput | None  # None when no row samples (prefill chunks only)
+    num_tokens: int
+    forward_ns: int
+    sample_ns: int
+    logits_by_row: list[torch.Tensor] | None = None  # with capture_logits: every token's
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Model,
+        kv_cache: KVCache,
+        graphs: DecodeGraphs | None,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self._pin = self.device.type == "cuda"
+        self._alloc_tokens(max_num_tokens)
+        self._alloc_tables(max_num_seqs, -(-max_model_len // self.block_size))
+
+    # Buffers: torch tensors on the host and numpy views of the same memory (a list is
+    # written into a numpy view without a tensor of its own).
+    def _alloc_tokens(self, n: int) -> None:
+        self._tokens = torch.zeros((3, n), dtype=torch.long, pin_memory=self._pin)
+        self._tokens_np = self._tokens.numpy()
+
+    def _alloc_tables(self, rows: int, cols: int) -> None:
+        self._tables = torch.zeros((rows, cols), dtype=torch.int32, pin_memory=self._pin)
+        self._tables_np = self._tables.numpy()
+
+    @property
+    def capacity(self) -> tuple[int, int, int]:
+        """(tokens, sequences, blocks per sequence) the buffers hold without growing."""
+        return self._tokens.shape[1], *self._tables.shape
+
+    def prepare(self, rows: list[Row]) -> StepInputs:
+        """The step's tensors; `rows` must be decodes first (one token each)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[int] = []
+        for r in rows:
+            st, end = r.state, r.start + r.count
+            ids.extend(st.token_ids[r.start : end])
+            pos = range(r.start, end)
+            positions.extend(pos)
+            table = st.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            if r.samples:
+                sample_idx.append(len(ids) - 1)
+        n, width = len(ids), max(len(r.state.block_ids) for r in rows)
+        held, seqs, cols = self.capacity
+        if n > held:
+            self._alloc_tokens(max(n, 2 * held))
+        if len(rows) > seqs or width > cols:
+            self._alloc_tables(max(len(rows), seqs), max(width, cols))
+        buf = self._tokens_np
+        buf[0, :n], buf[1, :n], buf[2, :n] = ids, positions, slots
+        tables = self._tables_np[: len(rows), :width]
+        tables.fill(0)
+        for i, r in enumerate(rows):
+            tables[i, : len(r.state.block_ids)] = r.state.block_ids
+        dev = self.device
+        host = self._tokens[:, :n]
+        meta = AttentionMetadata(
+            slot_mapping=host[2].to(dev, non_blocking=True),
+            block_tables=self._tables[: len(rows), :width].to(dev, non_blocking=True),
+            seq_lens=[r.start + r.count for r in rows],
+            query_lens=[r.count for r in rows],
+            num_decodes=sum(1 for r in rows if r.count == 1),
+            block_size=bs,
+        )
+        return StepInputs(
+            host[0].to(dev, non_blocking=True),
+            host[1].to(dev, non_blocking=True),
+            meta,
+            [r for r in rows if r.samples],
+            torch.tensor(sample_idx, device=dev),
+        )
+
+    def run(self, rows: list[Row], capture_logits: bool = False) -> StepOutput:
+        """Prepare, forward (a CUDA graph where one fits), sample the rows that end."""
+        x = self.prepare(rows)
+        t0 = time.perf_counter_ns()  # forward_ns: from the inputs' copy to the device
+        graph = self.graphs.padded_size(x.meta) if self.graphs is not None else None
+        if self.graphs is not None and graph is not None:
+            hidden = self.graphs.run(graph, x.input_ids, x.positions, x.meta)
+        else:
+            hidden = self.model.forward(x.input_ids, x.positions, x.meta, self.kv_cache.layers)
+        every = None
+        if capture_logits:
+            every = list(self.model.logits(hidden).split([r.count for r in rows]))
+        t1 = time.perf_counter_ns()
+        sampled = None
+        if x.sample_rows:
+            sampled = self._sample(x.sample_rows, self.model.logits(hidden[x.sample_index]))
+        t2 = time.perf_counter_ns()
+        return StepOutput(sampled, int(x.input_ids.numel()), t1 - t0, t2 - t1, every)
+
+    @staticmethod
+    def _sample(rows: list[Row], logits: torch.Tensor) -> SampleOutput:
+        """Sample each row's next token, with its penalties and min_tokens ban."""
+        states = [r.state for r in rows]
+        penalised = [s.sampling.penalised for s in states]
+        return sample(
+            logits,
+            [s.sampling for s in states],
+            [
+                s.token_ids[: s.num_prompt_tokens] if p else []
+                for s, p in zip(states, penalised, strict=True)
+            ],
+            [
+                s.token_ids[s.num_prompt_tokens :] if p else []
+                for s, p in zip(states, penalised, strict=True)
+            ],
+            [len(s.token_ids) for s in states],
+            [
+                s.sampling.banned_until_min
+                if len(s.token_ids) - s.num_prompt_tokens < s.sampling.min_tokens
+                else ()
+                for s in states
+            ],
+        )

@@ -1,0 +1,151 @@
+"""The compute plane's view of requests: their state between steps, and the checks a
+step passes before anything changes (a malformed step is rejected whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetero_common.sampling_params import SamplingSpec
+from hetero_proto import compute_pb2 as pb
+
+
+class StepRejected(Exception):
+    """A step the engine will not run; `code` is a gRPC status code name."""
+
+    def __init__(self, message: str, code: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclass
+class Row:
+    """One request's share of a step."""
+
+    request_id: str
+    state: RequestState
+    start: int  # first position computed this step
+    count: int  # tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.count == len(self.state.token_ids)
+
+
+Planned = tuple[str, RequestState, int]  # (id, state, tokens this step)
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    max_model_len: int
+    max_step_tokens: int | None  # CUDA: the activation peak the KV pool was sized for
+
+
+class StepValidator:
+    """Checks a whole step against the requests this plane holds; changes nothing."""
+
+    def __init__(self, limits: StepLimits) -> None:
+        self.limits = limits
+
+    def validate(self, req: pb.StepRequest, active: dict[str, RequestState]) -> list[Planned]:
+        """(id, state, num tokens) per scheduled request; StepRejected naming the first fault."""
+        finished = set(req.finished_ids)
+        seen: set[str] = set()
+
+        def once(rid: str) -> None:
+            if rid in seen:
+                raise StepRejected(f"request {rid!r} appears twice in step {req.step_id}")
+            seen.add(rid)
+
+        def held(rid: str) -> RequestState:
+            once(rid)
+            if rid not in active or rid in finished:
+                raise StepRejected(f"unknown request id {rid!r} (not active on this compute plane)")
+            return active[rid]
+
+        rows: list[Planned] = []
+        for n in req.new_requests:
+            once(n.request_id)
+            if n.request_id in active and n.request_id not in finished:
+                raise StepRejected(
+                    f"request {n.request_id!r} is already active; send it as continuing"
+                )
+            rows.append(self._new(n))
+        for c in req.continuing:
+            state = held(c.request_id)
+            self._check_blocks(c.request_id, list(c.new_block_ids))
+            num_blocks = len(state.block_ids) + len(c.new_block_ids)
+            self._check_count(c.request_id, state, num_blocks, c.num_scheduled_tokens)
+            rows.append((c.request_id, state, c.num_scheduled_tokens))
+        for rid in req.decode_ids:
+            state = held(rid)
+            self._check_count(rid, state, len(state.block_ids), 1)
+            rows.append((rid, state, 1))
+        total, most = sum(n for _, _, n in rows), self.limits.max_step_tokens
+        if most is not None and total > most:
+            raise StepRejected(
+                f"step of {total} tokens exceeds max_num_batched_tokens "
+                f"{most} (the activation peak the KV pool was sized for)",
+                "RESOURCE_EXHAUSTED",
+            )
+        return rows
+
+    def _new(self, n: pb.NewRequest) -> Planned:
+        rid, lim = n.request_id, self.limits
+        tokens = list(n.token_ids)
+        if not tokens:
+            raise StepRejected(f"request {rid!r}: no token ids")
+        if min(tokens) < 0 or max(tokens) >= lim.vocab_size:
+            raise StepRejected(f"request {rid!r}: token id out of range 0..{lim.vocab_size - 1}")
+        if len(tokens) > lim.max_model_len:
+            raise StepRejected(
+                f"request {rid!r}: {len(tokens)} tokens exceed max_model_len {lim.max_model_len}"
+            )
+        if not 0 <= n.num_prompt_tokens <= len(tokens):
+            raise StepRejected(
+                f"request {rid!r}: num_prompt_tokens {n.num_prompt_tokens} not in 0..{len(tokens)}"
+            )
+        if n.num_computed_tokens < 0:
+            raise StepRejected(f"request {rid!r}: negative num_computed_tokens")
+        blocks = list(n.block_ids)
+        self._check_blocks(rid, blocks)
+        spec = SamplingSpec.from_proto(n.sampling)
+        if problem := spec.validate():
+            raise StepRejected(f"request {rid!r}: {problem}")
+        state = RequestState(tokens, n.num_prompt_tokens, n.num_computed_tokens, blocks, spec)
+        self._check_count(rid, state, len(blocks), n.num_scheduled_tokens)
+        return rid, state, n.num_scheduled_tokens
+
+    def _check_blocks(self, rid: str, blocks: list[int]) -> None:
+        nb = self.limits.num_blocks
+        if blocks and (min(blocks) < 1 or max(blocks) >= nb):
+            bad = next(b for b in blocks if not 1 <= b < nb)
+            raise StepRejected(
+                f"request {rid!r}: block id {bad} out of range (valid: 1..{nb - 1}; 0 is the null block)"
+            )
+
+    def _check_count(self, rid: str, state: RequestState, num_blocks: int, n: int) -> None:
+        end, bs = state.num_computed_tokens + n, self.limits.block_size
+        if n < 1:
+            raise StepRejected(f"request {rid!r}: num_scheduled_tokens must be >= 1, got {n}")
+        if end > len(state.token_ids):
+            raise StepRejected(
+                f"request {rid!r}: {n} tokens scheduled from position {state.num_computed_tokens} "
+                f"but only {len(state.token_ids)} tokens are known"
+            )
+        if end > num_blocks * bs:
+            raise StepRejected(
+                f"request {rid!r}: {end} tokens do not fit in {num_blocks} blocks of {bs}"
+            )
