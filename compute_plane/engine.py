@@ -21,7 +21,7 @@ from compute_plane.device import resolve_device, resolve_dtype
 from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, num_blocks_for_budget
 from compute_plane.loader import LoadedModel
-from compute_plane.model import Model
+from compute_plane.model import Model, ModelKernels
 from compute_plane.model_runner import ModelRunner
 from compute_plane.requests import (
     RequestState,
@@ -54,20 +54,8 @@ class Engine:
         self.block_size = config.block_size
         backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         kernels = model_kernels(backend, cfg, self.device)
-        max_len = min(
-            cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings
-        )
-        if self.device.type == "cuda":  # the pool gets what is left once a step has run
-            free_before, _ = torch.cuda.mem_get_info(self.device)
-            self.model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
-            num_blocks = num_blocks_from_free_memory(self.model, config, max_len, free_before)
-        else:
-            num_blocks = num_blocks_for_budget(
-                cfg, self.block_size, self.dtype, config.kv_cache_bytes
-            )
-            max_len = min(max_len, (num_blocks - 1) * self.block_size)
-            self.model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
-        self.max_model_len = min(max_len, (num_blocks - 1) * self.block_size)
+        self.model, num_blocks = self._model_and_pool(loaded, kernels)
+        self.max_model_len = min(self.model_max_len, (num_blocks - 1) * self.block_size)
         self.kv_cache = KVCache(cfg, num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
         self.graphs = (  # decode graphs need the Triton kernels: they make no host round trips
@@ -81,14 +69,9 @@ class Engine:
             if self.device.type == "cuda" and config.cuda_graphs and backend == "triton"
             else None
         )
+        tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
         self.runner = ModelRunner(
-            self.model,
-            self.kv_cache,
-            self.graphs,
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            self.max_model_len,
-            self.device,
+            self.model, self.kv_cache, self.graphs, tokens, seqs, self.max_model_len, self.device
         )
         cuda = self.device.type == "cuda"
         self.validator = StepValidator(
@@ -97,7 +80,7 @@ class Engine:
                 self.block_size,
                 cfg.vocab_size,
                 self.max_model_len,
-                config.max_num_batched_tokens if cuda else None,
+                tokens if cuda else None,
             )
         )
         self.requests: dict[str, RequestState] = {}
@@ -108,6 +91,28 @@ class Engine:
         # token (the serving path only computes logits of the tokens it samples).
         self.capture_logits = False
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
+
+    def _model_and_pool(
+        self, loaded: LoadedModel, kernels: ModelKernels | None
+    ) -> tuple[Model, int]:
+        """The model on its device, and how many KV blocks fit: on CUDA what free memory
+        leaves once a step has run; on the CPU the configured byte budget."""
+        cfg, config = loaded.config, self.config
+        max_len = min(
+            cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings
+        )
+        if self.device.type == "cuda":
+            free_before, _ = torch.cuda.mem_get_info(self.device)
+            model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
+            num_blocks = num_blocks_from_free_memory(model, config, max_len, free_before)
+        else:
+            num_blocks = num_blocks_for_budget(
+                cfg, self.block_size, self.dtype, config.kv_cache_bytes
+            )
+            max_len = min(max_len, (num_blocks - 1) * self.block_size)
+            model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
+        self.model_max_len = max_len
+        return model, num_blocks
 
     def _init_metrics(self, loaded: LoadedModel) -> None:
         m = self._metric_labels
