@@ -80,3 +80,12 @@ def test_stubs_import_with_the_floor_protobuf(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), str(REPO)])}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_every_package_is_installed() -> None:
+    """Each top-level package of the repository is in setuptools' list (else an installed
+    `hetero-infer`, run from anywhere but the repository root, cannot import it)."""
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    listed = {pattern.rstrip("*") for pattern in find["find"]["include"]}
+    ours = {p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests", "benchmarks"}
+    assert ours <= listed, f"not installed: {sorted(ours - listed)}"
