@@ -31,6 +31,7 @@ from compute_plane.requests import (
 )
 from compute_plane.sampler import SampleOutput
 from hetero_common.logs import split_choice_id
+from hetero_common.tracing import RequestSpan, start_span
 from hetero_proto import compute_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,26 @@ def _log_request(message: str, choice_id: str) -> None:
     if log.isEnabledFor(logging.INFO):
         request_id, choice = split_choice_id(choice_id)
         log.info(message, extra={"request_id": request_id, "choice": choice})
+
+
+def _start_span(n: pb.NewRequest) -> RequestSpan:
+    """A request's span in this plane (added until released), child of the control plane's."""
+    request_id, choice = split_choice_id(n.request_id)
+    return start_span(
+        "compute.request",
+        n.traceparent,
+        {
+            "hetero.request_id": request_id,
+            "hetero.choice": -1 if choice is None else choice,
+            "hetero.tokens": len(n.token_ids),
+            "hetero.computed_tokens": n.num_computed_tokens,
+        },
+    )
+
+
+def _end_span(state: RequestState) -> None:
+    state.span.set({"hetero.tokens": len(state.token_ids)})
+    state.span.end()
 
 
 class Engine:
@@ -161,6 +182,8 @@ class Engine:
         )
 
     def reset(self) -> None:
+        for state in self.requests.values():
+            state.span.end(error="reset")
         self.requests.clear()
         self.counters = pb.StatsResponse()
 
@@ -190,12 +213,15 @@ class Engine:
         """Run one step. Raises StepRejected (no state changed) for a malformed step."""
         rows = self.validator.validate(req, self.requests)
         for rid in req.finished_ids:
-            if self.requests.pop(rid, None) is not None:
+            if (gone := self.requests.pop(rid, None)) is not None:
                 _log_request("request released", rid)
+                _end_span(gone)
         for rid, state, _ in rows:
             self.requests[rid] = state  # new requests; continuing ones are already there
         for n in req.new_requests:
             _log_request(f"request added: {len(n.token_ids)} tokens", n.request_id)
+            if n.traceparent:
+                self.requests[n.request_id].span = _start_span(n)
         for c in req.continuing:
             self.requests[c.request_id].block_ids.extend(c.new_block_ids)
         result = pb.StepResult(step_id=req.step_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetero_common.sampling_params import SamplingSpec
+from hetero_common.tracing import NO_SPAN, RequestSpan
 from hetero_proto import compute_pb2 as pb
 
 
@@ -25,6 +26,7 @@ class RequestState:
     num_computed_tokens: int
     block_ids: list[int]
     sampling: SamplingSpec
+    span: RequestSpan = NO_SPAN  # its trace span here, when tracing (hetero_common.tracing)
 
 
 @dataclass

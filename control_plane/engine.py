@@ -28,6 +28,7 @@ from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
 from control_plane.tokenizer import TokenizerWrapper
 from hetero_common.logs import valid_request_id
+from hetero_common.tracing import start_span
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -158,12 +159,14 @@ class ControlEngine:
         client_id: str = "",
         packed: bool = False,
         request_id: str = "",
+        traceparent: str = "",
     ) -> GenerateStream:
         """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable.
 
         `request_id` (the client's, e.g. the gateway's X-Request-Id) names the request in
         the logs of this plane and the compute plane: it is the stream's id when no
         running stream has it (choices are `<id>-<i>` toward the compute plane).
+        `traceparent`: the caller's trace span, parent of this request's span here.
 
         Its responses go to the stream's queue, or with `outbox` into that GenerateMany
         call's next message under `client_id`; with `packed` (the client reads packed
@@ -182,6 +185,7 @@ class ControlEngine:
         stream = self.inputs.make_stream(
             stream_id, prompt_ids, params, bounds, max_tokens, outbox, client_id
         )
+        self._trace(stream, traceparent, max_tokens)
         _queue(sched, stream)
         plain = len(stream.choices) == 1 and not (params.logprobs or params.top_logprobs)
         if outbox is not None and packed and plain:
@@ -201,10 +205,28 @@ class ControlEngine:
         self._wake.set()
         return stream
 
+    @staticmethod
+    def _trace(stream: GenerateStream, traceparent: str, max_tokens: int) -> None:
+        """Start the stream's span; its choices carry it to the compute plane."""
+        stream.span = span = start_span(
+            "control.generate",
+            traceparent,
+            {
+                "hetero.request_id": stream.stream_id,
+                "gen_ai.usage.input_tokens": len(stream.prompt_token_ids),
+                "gen_ai.request.max_tokens": max_tokens,
+                "gen_ai.request.choice.count": len(stream.choices),
+            },
+        )
+        for c in stream.choices:
+            c.request.traceparent = span.traceparent
+
     def abort(self, stream: GenerateStream) -> None:
         """Cancel a stream's unfinished choices now; their blocks are freed at once."""
         if not self.outputs.remove(stream):
             return
+        stream.span.set({"gen_ai.response.finish_reasons": "abort"})
+        stream.span.end()
         for c in stream.choices:
             if not c.finished and self.scheduler is not None:
                 self.scheduler.abort(c.request.request_id)
@@ -326,6 +348,7 @@ class ControlEngine:
                 num_scheduled_tokens=s.num_scheduled_tokens,
                 block_ids=s.block_ids,
                 sampling=r.sampling,
+                traceparent=r.traceparent,
             )
         # One token in the blocks it holds: the id alone says it.
         decode_ids = [r.request_id for r in out.decodes]
@@ -363,6 +386,16 @@ class ControlEngine:
             extra={"request_id": stream.stream_id},
         )
         metrics.request_success.labels(finished_reason=reason, **m).inc()
+        stream.span.set(
+            {
+                "gen_ai.response.finish_reasons": reason,
+                "gen_ai.usage.output_tokens": sum(
+                    c.request.num_output_tokens for c in stream.choices
+                ),
+                "hetero.cached_prompt_tokens": stream.num_cached_tokens,
+            }
+        )
+        stream.span.end()
         metrics.e2e.labels(**m).observe(now - stream.arrival_time)
         scheduled = min((c.request.first_scheduled_time or now) for c in stream.choices)
         metrics.queue_time.labels(**m).observe(scheduled - stream.arrival_time)

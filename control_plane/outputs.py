@@ -11,6 +11,7 @@ from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.request import Request, Status
 from control_plane.stop import StopChecker
 from control_plane.tokenizer import TokenizerWrapper
+from hetero_common.tracing import NO_SPAN, RequestSpan
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -83,6 +84,7 @@ class GenerateStream:
     # The outbox that takes this request's plain deltas packed (Outbox.delta): set for a
     # request of a GenerateMany call with one choice and no logprobs.
     pack_into: Outbox | None = None
+    span: RequestSpan = NO_SPAN  # its trace span here (hetero_common.tracing), when tracing
 
     @property
     def done(self) -> bool:
@@ -102,6 +104,7 @@ class GenerateStream:
 
     def fail(self, error: BaseException) -> None:
         """End the request with an error (the compute plane is gone, it no longer fits)."""
+        self.span.end(error=str(error))
         if self.outbox is None:
             self.queue.put_nowait(error)
         else:

@@ -44,6 +44,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    traceparent: str = ""  # the control plane's span of its stream, for the compute plane's
 
     def __post_init__(self) -> None:
         if not self.token_ids:

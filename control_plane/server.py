@@ -45,6 +45,14 @@ def status_for(e: BaseException) -> grpc.StatusCode | None:
     return next((code for kind, code in _STATUS.items() if isinstance(e, kind)), None)
 
 
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
+    """A value of the call's gRPC metadata ("" when absent)."""
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return v if isinstance(v, str) else v.decode("latin-1")
+    return ""
+
+
 class CallOutbox:
     """The next message of one GenerateMany call, filled in place as steps produce it.
 
@@ -173,7 +181,12 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
-            stream = self.engine.submit(prompt_ids, request.params, request_id=request.request_id)
+            stream = self.engine.submit(
+                prompt_ids,
+                request.params,
+                request_id=request.request_id,
+                traceparent=request.traceparent or _metadata(context, "traceparent"),
+            )
         except Exception as e:
             code = status_for(e)
             if code is None:
@@ -322,6 +335,7 @@ class _ManyCall:
                 client_id=rid,
                 packed=packed,
                 request_id=rid,
+                traceparent=request.traceparent,
             )
         except Exception as e:
             if starting.get(rid) is not token:

@@ -24,6 +24,8 @@ from gateway.multiplex import Multiplexer
 from gateway.request_id import RequestIdMiddleware
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ChatServing, CompletionServing
+from gateway.tracing import TracingMiddleware
+from hetero_common.tracing import tracing_enabled
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -94,6 +96,8 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     if config.api_key:
         require_api_key(app, config.api_key)
     instrument(app)  # added after the others, so outside them: 401s are counted too
+    if tracing_enabled():
+        app.add_middleware(TracingMiddleware)
     app.add_middleware(RequestIdMiddleware)  # outermost: every response has an id
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]

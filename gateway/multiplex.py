@@ -27,6 +27,7 @@ from gateway.errors import APIError, from_code, from_grpc
 from hetero_common.limits import MAX_GRPC_MESSAGE_BYTES
 from hetero_common.logs import REQUEST_ID
 from hetero_common.packed import packed_responses
+from hetero_common.tracing import current_traceparent
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -72,11 +73,13 @@ class Multiplexer:
         outgoing = self._open()
         ids = []
         base = REQUEST_ID.get() or uuid.uuid4().hex  # the HTTP request's id, for the logs
+        traceparent = current_traceparent()  # the HTTP request's span, when tracing
         for i, start in enumerate(starts):
             rid = base if len(starts) == 1 else f"{base}-p{i}"
             if rid in self._routes:  # a client reused its X-Request-Id while it runs
                 rid = f"{rid}~{uuid.uuid4().hex[:8]}"
             start.start.request_id = rid
+            start.start.traceparent = traceparent
             self._routes[rid] = _Route(queue, i)
             outgoing.put_nowait(start)
             ids.append(rid)

@@ -8,6 +8,7 @@ import functools
 import sys
 
 from hetero_common.logs import LOG_FORMATS, setup_logging
+from hetero_common.tracing import setup_tracing
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
 
 
@@ -76,7 +77,9 @@ def _serve(args: argparse.Namespace) -> int:
     """Compute plane, control plane and gateway as three processes on loopback."""
     from hetero_infer.local import serve_stack
 
-    log_args = ("--log-level", args.log_level, "--log-format", args.log_format)
+    log_args: tuple[str, ...] = ("--log-level", args.log_level, "--log-format", args.log_format)
+    if args.otlp_traces_endpoint:
+        log_args += ("--otlp-traces-endpoint", args.otlp_traces_endpoint)
     return serve_stack(
         args.model, args.host, args.port, list(args.compute_arg or []), log_args=log_args
     )
@@ -87,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     from gateway.config import GatewayConfig
 
     parser = argparse.ArgumentParser(prog="hetero-infer", description=__doc__)
-    _add_log_flags(parser, defaults=True)
+    _add_process_flags(parser, defaults=True)
     # The same flags after the subcommand (`hetero-infer serve --log-format json`).
     common = argparse.ArgumentParser(add_help=False)
-    _add_log_flags(common, defaults=False)
+    _add_process_flags(common, defaults=False)
     sub = parser.add_subparsers(dest="command", required=True)
     add = functools.partial(sub.add_parser, parents=[common])
 
@@ -134,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_log_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
-    """--log-level / --log-format; after a subcommand they override the ones before it."""
-    level, fmt = ("INFO", "text") if defaults else (argparse.SUPPRESS, argparse.SUPPRESS)
+def _add_process_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """Logs and traces; after a subcommand they override the ones before it."""
+    level, fmt, otlp = ("INFO", "text", None) if defaults else (argparse.SUPPRESS,) * 3
     parser.add_argument("--log-level", default=level, help="DEBUG, INFO, WARNING, ERROR")
     parser.add_argument(
         "--log-format",
@@ -144,12 +147,21 @@ def _add_log_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
         choices=LOG_FORMATS,
         help="text, or json: one JSON object per line with the request id (log collectors)",
     )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=otlp,
+        metavar="URL",
+        help="send OpenTelemetry traces (OTLP/gRPC) there, e.g. http://otel-collector:4317; "
+        "needs the otel extra",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
+        if args.command in ("compute-plane", "control-plane", "gateway"):
+            setup_tracing(f"hetero-{args.command}", args.otlp_traces_endpoint)
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:
         # Bad configuration or a missing model: one clear line, no traceback.

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetero_proto/control.proto\x12\x11hetero.control.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\\\n\tChatInput\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.hetero.control.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf3\x02\n\x10GenerationParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\t\n\x01n\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x1b\n\x13skip_special_tokens\x18\x11 \x01(\x08\x42\x07\n\x05_seed\"\xd3\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.hetero.control.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.hetero.control.v1.ChatInputH\x00\x12\x33\n\x06params\x18\x05 \x01(\x0b\x32#.hetero.control.v1.GenerationParamsB\x07\n\x05input\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x8a\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1d.hetero.control.v1.TopLogprob\"\xd4\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.hetero.control.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.hetero.control.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x15\n\rstop_token_id\x18\x07 \x01(\x05\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x9a\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1e.hetero.control.v1.ChoiceDelta\x12\'\n\x05usage\x18\x03 \x01(\x0b\x32\x18.hetero.control.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\"}\n\x13GenerateManyRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".hetero.control.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x15\n\raccept_packed\x18\x03 \x01(\x08\x42\x08\n\x06\x61\x63tion\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"Y\n\x0cPackedDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\xb0\x01\n\x14GenerateManyResponse\x12\x36\n\tresponses\x18\x01 \x03(\x0b\x32#.hetero.control.v1.GenerateResponse\x12/\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1f.hetero.control.v1.RequestError\x12/\n\x06packed\x18\x03 \x01(\x0b\x32\x1f.hetero.control.v1.PackedDeltas\"t\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1c.hetero.control.v1.ChatInputH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"$\n\x10ModelInfoRequest\x12\x10\n\x08\x64\x65tailed\x18\x01 \x01(\x08\"\xad\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x18\n\x10\x63ompute_attached\x18\x08 \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12-\n\x05stats\x18\x0c \x01(\x0b\x32\x1e.hetero.control.v1.EngineStats\"\xad\x02\n\x0b\x45ngineStats\x12\x1a\n\x12num_free_kv_blocks\x18\x01 \x01(\x05\x12\x1c\n\x14num_usable_kv_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\t \x01(\t\x12\x1e\n\x16num_kv_slots_allocated\x18\n \x01(\x03\x12\x19\n\x11num_kv_slots_used\x18\x0b \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd2\x03\n\x0c\x43ontrolPlane\x12U\n\x08Generate\x12\".hetero.control.v1.GenerateRequest\x1a#.hetero.control.v1.GenerateResponse0\x01\x12\x63\n\x0cGenerateMany\x12&.hetero.control.v1.GenerateManyRequest\x1a\'.hetero.control.v1.GenerateManyResponse(\x01\x30\x01\x12S\n\x08Tokenize\x12\".hetero.control.v1.TokenizeRequest\x1a#.hetero.control.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.hetero.control.v1.DetokenizeRequest\x1a%.hetero.control.v1.DetokenizeResponse\x12V\n\tModelInfo\x12#.hetero.control.v1.ModelInfoRequest\x1a$.hetero.control.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetero_proto/control.proto\x12\x11hetero.control.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\\\n\tChatInput\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.hetero.control.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf3\x02\n\x10GenerationParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\t\n\x01n\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x10\n\x08logprobs\x18\x0f \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x10 \x01(\x05\x12\x1b\n\x13skip_special_tokens\x18\x11 \x01(\x08\x42\x07\n\x05_seed\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x1b.hetero.control.v1.TokenIdsH\x00\x12,\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1c.hetero.control.v1.ChatInputH\x00\x12\x33\n\x06params\x18\x05 \x01(\x0b\x32#.hetero.control.v1.GenerationParams\x12\x13\n\x0btraceparent\x18\x06 \x01(\tB\x07\n\x05input\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x8a\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1d.hetero.control.v1.TopLogprob\"\xd4\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.hetero.control.v1.TokenLogprob\x12\x36\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1f.hetero.control.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x15\n\rstop_token_id\x18\x07 \x01(\x05\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x9a\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1e.hetero.control.v1.ChoiceDelta\x12\'\n\x05usage\x18\x03 \x01(\x0b\x32\x18.hetero.control.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\"}\n\x13GenerateManyRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".hetero.control.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x15\n\raccept_packed\x18\x03 \x01(\x08\x42\x08\n\x06\x61\x63tion\"A\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"Y\n\x0cPackedDeltas\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\r\n\x05texts\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\xb0\x01\n\x14GenerateManyResponse\x12\x36\n\tresponses\x18\x01 \x03(\x0b\x32#.hetero.control.v1.GenerateResponse\x12/\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x1f.hetero.control.v1.RequestError\x12/\n\x06packed\x18\x03 \x01(\x0b\x32\x1f.hetero.control.v1.PackedDeltas\"t\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1c.hetero.control.v1.ChatInputH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\x42\x07\n\x05input\"K\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05\x63ount\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"$\n\x10ModelInfoRequest\x12\x10\n\x08\x64\x65tailed\x18\x01 \x01(\x08\"\xad\x02\n\x11ModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x18\n\x10\x63ompute_attached\x18\x08 \x01(\x08\x12\x14\n\x0c\x61rchitecture\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12-\n\x05stats\x18\x0c \x01(\x0b\x32\x1e.hetero.control.v1.EngineStats\"\xad\x02\n\x0b\x45ngineStats\x12\x1a\n\x12num_free_kv_blocks\x18\x01 \x01(\x05\x12\x1c\n\x14num_usable_kv_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bnum_running\x18\x03 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x03\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x03\x12\x14\n\x0cintegrity_ok\x18\x08 \x01(\x08\x12\x17\n\x0fintegrity_error\x18\t \x01(\t\x12\x1e\n\x16num_kv_slots_allocated\x18\n \x01(\x03\x12\x19\n\x11num_kv_slots_used\x18\x0b \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xd2\x03\n\x0c\x43ontrolPlane\x12U\n\x08Generate\x12\".hetero.control.v1.GenerateRequest\x1a#.hetero.control.v1.GenerateResponse0\x01\x12\x63\n\x0cGenerateMany\x12&.hetero.control.v1.GenerateManyRequest\x1a\'.hetero.control.v1.GenerateManyResponse(\x01\x30\x01\x12S\n\x08Tokenize\x12\".hetero.control.v1.TokenizeRequest\x1a#.hetero.control.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.hetero.control.v1.DetokenizeRequest\x1a%.hetero.control.v1.DetokenizeResponse\x12V\n\tModelInfo\x12#.hetero.control.v1.ModelInfoRequest\x1a$.hetero.control.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetero_proto.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2899
-  _globals['_FINISHREASON']._serialized_end=3019
+  _globals['_FINISHREASON']._serialized_start=2920
+  _globals['_FINISHREASON']._serialized_end=3040
   _globals['_CHATMESSAGE']._serialized_start=49
   _globals['_CHATMESSAGE']._serialized_end=93
   _globals['_CHATINPUT']._serialized_start=95
@@ -42,39 +42,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONPARAMS']._serialized_start=215
   _globals['_GENERATIONPARAMS']._serialized_end=586
   _globals['_GENERATEREQUEST']._serialized_start=589
-  _globals['_GENERATEREQUEST']._serialized_end=800
-  _globals['_TOPLOGPROB']._serialized_start=802
-  _globals['_TOPLOGPROB']._serialized_end=885
-  _globals['_TOKENLOGPROB']._serialized_start=888
-  _globals['_TOKENLOGPROB']._serialized_end=1026
-  _globals['_CHOICEDELTA']._serialized_start=1029
-  _globals['_CHOICEDELTA']._serialized_end=1241
-  _globals['_USAGE']._serialized_start=1243
-  _globals['_USAGE']._serialized_end=1330
-  _globals['_GENERATERESPONSE']._serialized_start=1333
-  _globals['_GENERATERESPONSE']._serialized_end=1487
-  _globals['_GENERATEMANYREQUEST']._serialized_start=1489
-  _globals['_GENERATEMANYREQUEST']._serialized_end=1614
-  _globals['_REQUESTERROR']._serialized_start=1616
-  _globals['_REQUESTERROR']._serialized_end=1681
-  _globals['_PACKEDDELTAS']._serialized_start=1683
-  _globals['_PACKEDDELTAS']._serialized_end=1772
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=1775
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=1951
-  _globals['_TOKENIZEREQUEST']._serialized_start=1953
-  _globals['_TOKENIZEREQUEST']._serialized_end=2069
-  _globals['_TOKENIZERESPONSE']._serialized_start=2071
-  _globals['_TOKENIZERESPONSE']._serialized_end=2146
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2148
-  _globals['_DETOKENIZEREQUEST']._serialized_end=2215
-  _globals['_DETOKENIZERESPONSE']._serialized_start=2217
-  _globals['_DETOKENIZERESPONSE']._serialized_end=2251
-  _globals['_MODELINFOREQUEST']._serialized_start=2253
-  _globals['_MODELINFOREQUEST']._serialized_end=2289
-  _globals['_MODELINFORESPONSE']._serialized_start=2292
-  _globals['_MODELINFORESPONSE']._serialized_end=2593
-  _globals['_ENGINESTATS']._serialized_start=2596
-  _globals['_ENGINESTATS']._serialized_end=2897
-  _globals['_CONTROLPLANE']._serialized_start=3022
-  _globals['_CONTROLPLANE']._serialized_end=3488
+  _globals['_GENERATEREQUEST']._serialized_end=821
+  _globals['_TOPLOGPROB']._serialized_start=823
+  _globals['_TOPLOGPROB']._serialized_end=906
+  _globals['_TOKENLOGPROB']._serialized_start=909
+  _globals['_TOKENLOGPROB']._serialized_end=1047
+  _globals['_CHOICEDELTA']._serialized_start=1050
+  _globals['_CHOICEDELTA']._serialized_end=1262
+  _globals['_USAGE']._serialized_start=1264
+  _globals['_USAGE']._serialized_end=1351
+  _globals['_GENERATERESPONSE']._serialized_start=1354
+  _globals['_GENERATERESPONSE']._serialized_end=1508
+  _globals['_GENERATEMANYREQUEST']._serialized_start=1510
+  _globals['_GENERATEMANYREQUEST']._serialized_end=1635
+  _globals['_REQUESTERROR']._serialized_start=1637
+  _globals['_REQUESTERROR']._serialized_end=1702
+  _globals['_PACKEDDELTAS']._serialized_start=1704
+  _globals['_PACKEDDELTAS']._serialized_end=1793
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=1796
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=1972
+  _globals['_TOKENIZEREQUEST']._serialized_start=1974
+  _globals['_TOKENIZEREQUEST']._serialized_end=2090
+  _globals['_TOKENIZERESPONSE']._serialized_start=2092
+  _globals['_TOKENIZERESPONSE']._serialized_end=2167
+  _globals['_DETOKENIZEREQUEST']._serialized_start=2169
+  _globals['_DETOKENIZEREQUEST']._serialized_end=2236
+  _globals['_DETOKENIZERESPONSE']._serialized_start=2238
+  _globals['_DETOKENIZERESPONSE']._serialized_end=2272
+  _globals['_MODELINFOREQUEST']._serialized_start=2274
+  _globals['_MODELINFOREQUEST']._serialized_end=2310
+  _globals['_MODELINFORESPONSE']._serialized_start=2313
+  _globals['_MODELINFORESPONSE']._serialized_end=2614
+  _globals['_ENGINESTATS']._serialized_start=2617
+  _globals['_ENGINESTATS']._serialized_end=2918
+  _globals['_CONTROLPLANE']._serialized_start=3043
+  _globals['_CONTROLPLANE']._serialized_end=3509
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -121,3 +122,76 @@ def test_json_logs_carry_one_request_id_through_three_planes(tmp_path: Path) -> 
         records = [json.loads(ln) for ln in lines]  # fails on any line that is not JSON
         assert all({"ts", "level", "logger", "message"} <= r.keys() for r in records)
         assert any(r.get("request_id") == rid for r in records), f"{name}: no line for {rid}"
+
+
+class _Collector:
+    """A real OTLP/gRPC trace receiver: what the planes' exporters send, as spans."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as ts
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as ts_grpc
+
+        self.spans: list[tuple[str, Any]] = []  # (service.name, Span)
+        collector = self
+
+        class Service(ts_grpc.TraceServiceServicer):  # type: ignore[misc]
+            def Export(self, request: Any, context: Any) -> Any:
+                for rs in request.resource_spans:
+                    attrs = {a.key: a.value.string_value for a in rs.resource.attributes}
+                    for ss in rs.scope_spans:
+                        collector.spans += [(attrs["service.name"], s) for s in ss.spans]
+                return ts.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(2))
+        ts_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
+def test_otlp_traces_follow_a_request_through_three_planes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--otlp-traces-endpoint: one span per request in each plane (one per choice in the
+    compute plane), each the child of the one before, in the client's trace."""
+    pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
+    collector = _Collector()
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export every 0.1 s
+    trace_id, client_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    flags = ("--otlp-traces-endpoint", f"http://127.0.0.1:{collector.port}")
+    with _three_planes(tmp_path, flags) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        model = client.models.list().data[0].id
+        chat = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Say hello."}],
+            max_tokens=4,
+            n=2,
+            temperature=0.7,
+            extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+        )
+        assert len(chat.choices) == 2
+    collector.server.stop(None)
+    ours = [(svc, s) for svc, s in collector.spans if s.trace_id.hex() == trace_id]
+    by_name: dict[str, list[Any]] = {}
+    for svc, s in ours:
+        by_name.setdefault(f"{svc}/{s.name}", []).append(s)
+    http = by_name["hetero-gateway/POST /v1/chat/completions"]
+    control = by_name["hetero-control-plane/control.generate"]
+    compute = by_name["hetero-compute-plane/compute.request"]
+    assert len(http) == 1 and len(control) == 1 and len(compute) == 2, sorted(by_name)
+    assert http[0].parent_span_id.hex() == client_span
+    assert control[0].parent_span_id == http[0].span_id
+    assert all(s.parent_span_id == control[0].span_id for s in compute)
+    choices = sorted(_attr(s, "hetero.choice").int_value for s in compute)
+    assert choices == [0, 1]
+    assert _attr(control[0], "gen_ai.usage.output_tokens").int_value == 8
+    assert _attr(http[0], "http.response.status_code").int_value == 200
+    probes = [s for svc, s in collector.spans if s.name.endswith(("/health", "/ready"))]
+    assert not probes  # probes are not traced
+
+
+def _attr(span: Any, key: str) -> Any:
+    return next(a.value for a in span.attributes if a.key == key)
