@@ -22,8 +22,9 @@ from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, num_blocks_for_budget
 from compute_plane.loader import LoadedModel
 from compute_plane.model import Model, ModelKernels
-from compute_plane.model_runner import ModelRunner
+from compute_plane.model_runner import ModelRunner, StepOutput
 from compute_plane.requests import (
+    Failure,
     RequestState,
     Row,
     StepLimits,
@@ -181,11 +182,17 @@ class Engine:
             attention_backend=self.model.attention.name,
         )
 
-    def reset(self) -> None:
+    def reset(self, failed: bool = False) -> None:
+        """Forget every request; `failed`: after a step raised (counted in num_resets)."""
         for state in self.requests.values():
             state.span.end(error="reset")
         self.requests.clear()
-        self.counters = pb.StatsResponse()
+        c = self.counters
+        self.counters = pb.StatsResponse(
+            num_failed_requests=c.num_failed_requests, num_resets=c.num_resets + failed
+        )
+        if failed:
+            metrics.engine_resets.labels(**self._metric_labels).inc()
 
     def stats(self) -> pb.StatsResponse:
         s = pb.StatsResponse()
@@ -210,8 +217,10 @@ class Engine:
             self.graphs.capture()
 
     def step(self, req: pb.StepRequest) -> pb.StepResult:
-        """Run one step. Raises StepRejected (no state changed) for a malformed step."""
-        rows = self.validator.validate(req, self.requests)
+        """Run one step. Raises StepRejected (no state changed) for a malformed step; a
+        request with bad fields, or one that raises while the others compute, fails alone
+        (`StepResult.failed`)."""
+        rows, failures = self.validator.validate(req, self.requests)
         for rid in req.finished_ids:
             if (gone := self.requests.pop(rid, None)) is not None:
                 _log_request("request released", rid)
@@ -219,12 +228,16 @@ class Engine:
         for rid, state, _ in rows:
             self.requests[rid] = state  # new requests; continuing ones are already there
         for n in req.new_requests:
+            if n.request_id not in self.requests:
+                continue  # failed validation
             _log_request(f"request added: {len(n.token_ids)} tokens", n.request_id)
             if n.traceparent:
                 self.requests[n.request_id].span = _start_span(n)
         for c in req.continuing:
             self.requests[c.request_id].block_ids.extend(c.new_block_ids)
         result = pb.StepResult(step_id=req.step_id)
+        for f in failures:
+            self._fail(f, result)
         if rows:
             self._run([Row(rid, st, st.num_computed_tokens, n) for rid, st, n in rows], result)
         self.counters.num_steps += 1
@@ -232,9 +245,47 @@ class Engine:
         return result
 
     # ------------------------------------------------------------- compute
+    def _fail(self, f: Failure, result: pb.StepResult) -> None:
+        """Fail one request alone: forget it and report it in the step's result."""
+        if (state := self.requests.pop(f.request_id, None)) is not None:
+            state.span.end(error=f.message)
+        request_id, choice = split_choice_id(f.request_id)
+        log.warning(
+            "request failed (%s): %s",
+            *(f.code, f.message),
+            extra={"request_id": request_id, "choice": choice},
+        )
+        result.failed.add(request_id=f.request_id, code=f.code, message=f.message)
+        self.counters.num_failed_requests += 1
+        metrics.failed_requests.labels(code=f.code, **self._metric_labels).inc()
+
+    def _isolate(self, rows: list[Row], result: pb.StepResult) -> tuple[list[Row], StepOutput]:
+        """The batch raised: run each request alone, fail those that raise alone, run the
+        rest together. When every one raises the fault is the engine's: re-raise.
+        (Running a request again rewrites the same K/V; seeded sampling is positional.)"""
+        good, bad = [], []
+        for r in rows:
+            try:
+                self.runner.run([r])
+                good.append(r)
+            except Exception as e:
+                bad.append((r, e))
+        if not good:
+            raise bad[0][1]
+        for r, err in bad:
+            log.error("a request raised in a step", exc_info=err)
+            message = f"computing this request failed: {type(err).__name__}: {err}"
+            self._fail(Failure(r.request_id, "INTERNAL", message), result)
+        return good, self.runner.run(good, self.capture_logits)
+
     def _run(self, rows: list[Row], result: pb.StepResult) -> None:
         rows.sort(key=lambda r: r.count != 1)  # decodes first (stable)
-        out = self.runner.run(rows, self.capture_logits)
+        try:
+            out = self.runner.run(rows, self.capture_logits)
+        except Exception:
+            if len(rows) == 1:
+                raise  # alone: a request or the engine; the control plane decides
+            rows, out = self._isolate(rows, result)
         if out.logits_by_row is not None:
             for r, lg in zip(rows, out.logits_by_row, strict=True):
                 self.captured_logits.setdefault(r.request_id, []).append(lg)

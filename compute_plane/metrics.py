@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 L = ("model_name",)
 
@@ -37,4 +37,14 @@ device_memory_used = Gauge(
 )
 model_load_seconds = Gauge(
     "hetero_compute_model_load_seconds", "Time to load and warm up the model", L
+)
+failed_requests = Counter(
+    "hetero_compute_failed_requests",
+    "Requests a step failed alone (bad fields: INVALID_ARGUMENT; raised: INTERNAL)",
+    (*L, "code"),
+)
+engine_resets = Counter(
+    "hetero_compute_engine_resets",
+    "Whole-engine resets after a step raised (every request it held is dropped)",
+    L,
 )

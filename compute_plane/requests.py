@@ -1,5 +1,6 @@
 """The compute plane's view of requests: their state between steps, and the checks a
-step passes before anything changes (a malformed step is rejected whole).
+step passes before anything changes. A new request with bad fields fails alone; a step
+whose shape is wrong (unknown or repeated ids, too many tokens) is rejected whole.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ Planned = tuple[str, RequestState, int]  # (id, state, tokens this step)
 
 
 @dataclass(frozen=True)
+class Failure:
+    """A request the step fails alone; the compute plane does not hold it."""
+
+    request_id: str
+    code: str  # gRPC status code name
+    message: str
+
+
+@dataclass(frozen=True)
 class StepLimits:
     num_blocks: int
     block_size: int
@@ -61,8 +71,11 @@ class StepValidator:
     def __init__(self, limits: StepLimits) -> None:
         self.limits = limits
 
-    def validate(self, req: pb.StepRequest, active: dict[str, RequestState]) -> list[Planned]:
-        """(id, state, num tokens) per scheduled request; StepRejected naming the first fault."""
+    def validate(
+        self, req: pb.StepRequest, active: dict[str, RequestState]
+    ) -> tuple[list[Planned], list[Failure]]:
+        """(id, state, num tokens) per scheduled request, and the new requests whose fields
+        are bad (they fail alone); StepRejected naming the first fault of the step's shape."""
         finished = set(req.finished_ids)
         seen: set[str] = set()
 
@@ -78,13 +91,17 @@ class StepValidator:
             return active[rid]
 
         rows: list[Planned] = []
+        failures: list[Failure] = []
         for n in req.new_requests:
             once(n.request_id)
             if n.request_id in active and n.request_id not in finished:
                 raise StepRejected(
                     f"request {n.request_id!r} is already active; send it as continuing"
                 )
-            rows.append(self._new(n))
+            try:
+                rows.append(self._new(n))
+            except StepRejected as e:
+                failures.append(Failure(n.request_id, e.code, str(e)))
         for c in req.continuing:
             state = held(c.request_id)
             self._check_blocks(c.request_id, list(c.new_block_ids))
@@ -102,7 +119,7 @@ class StepValidator:
                 f"{most} (the activation peak the KV pool was sized for)",
                 "RESOURCE_EXHAUSTED",
             )
-        return rows
+        return rows, failures
 
     def _new(self, n: pb.NewRequest) -> Planned:
         rid, lim = n.request_id, self.limits
@@ -124,7 +141,7 @@ class StepValidator:
         blocks = list(n.block_ids)
         self._check_blocks(rid, blocks)
         spec = SamplingSpec.from_proto(n.sampling)
-        if problem := spec.validate():
+        if problem := spec.validate(lim.vocab_size):
             raise StepRejected(f"request {rid!r}: {problem}")
         state = RequestState(tokens, n.num_prompt_tokens, n.num_computed_tokens, blocks, spec)
         self._check_count(rid, state, len(blocks), n.num_scheduled_tokens)

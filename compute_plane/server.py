@@ -87,7 +87,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
                 # State may be half-updated: drop it all; the control plane re-sends
                 # its requests in full when it reattaches.
                 log.exception("step %d failed", step.step_id)
-                await self._call(engine.reset)
+                await self._call(engine.reset, True)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {e}")
             result.draining = self.draining
             yield result

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 
 from control_plane import metrics
 from control_plane.compute_client import (
@@ -37,6 +38,20 @@ log = logging.getLogger(__name__)
 
 class ComputeUnavailable(RuntimeError):
     """No compute plane is attached."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed (the compute plane refused it or it raised there, or it was in
+    flight each time the compute plane failed twice in a row); the others go on."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # gRPC status code name
+
+
+# A request in flight this many times in a row when the compute plane failed is failed,
+# not re-admitted: a request that crashes every compute plane must not crash them all.
+MAX_COMPUTE_FAILURES = 2
 
 
 class _LoopMetrics:
@@ -98,6 +113,9 @@ class ControlEngine:
         # Requests kept across a compute-plane failure, in re-admission order, with the
         # request whose prompt blocks they fork (n > 1) or None.
         self._parked: list[tuple[Request, Request | None]] = []
+        self._in_flight: SchedulerOutput | None = None  # the step sent, until its result
+        # Requests in flight when the compute plane failed, until a step of theirs runs.
+        self._suspects: dict[str, int] = {}
         self._watchdog: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -245,6 +263,7 @@ class ControlEngine:
                 raise
             except (ComputeLinkError, StepFailed) as e:
                 now = time.monotonic()
+                self._quarantine()
                 if self.attached.is_set():
                     log.error("compute plane lost: %s; requests wait for it to come back", e)
                     self.attached.clear()
@@ -301,6 +320,7 @@ class ControlEngine:
                 continue
             self._step_id += 1
             step = self._to_step(out)
+            self._in_flight = out
             try:
                 await self.client.send(step)
             finally:
@@ -308,6 +328,11 @@ class ControlEngine:
                     self._emit(*ready)
                     ready = None
             result = await self.client.receive()
+            self._in_flight = None
+            if self._suspects:
+                self._clear_suspects(out)
+            if result.failed:
+                self._fail_requests(result.failed)
             if result.draining and not self._compute_draining:
                 log.info("the compute plane is draining: new requests wait for the next one")
                 self._compute_draining = True
@@ -315,6 +340,50 @@ class ControlEngine:
             sched.update(out, sampled)
             ready = result, sampled
             self._observe_pool()
+
+    def _fail_requests(self, failed: Iterable[cpb.RequestFailure]) -> None:
+        """The compute plane failed these alone: end their streams with the error."""
+        for f in failed:
+            if (entry := self.choices.get(f.request_id)) is not None:
+                self._fail_stream(entry[0], RequestFailed(f.code, f.message))
+
+    def _fail_stream(self, stream: GenerateStream, error: RequestFailed) -> None:
+        """End one stream with an error; its choices' blocks are freed at once."""
+        stream.fail(error)
+        self.outputs.remove(stream)
+        for c in stream.choices:
+            if not c.finished and self.scheduler is not None:
+                self.scheduler.abort(c.request.request_id)
+        metrics.request_success.labels(finished_reason="error", **self.labels).inc()
+
+    def _quarantine(self) -> None:
+        """The compute plane failed with a step in flight: its requests are suspects; one
+        that was in flight MAX_COMPUTE_FAILURES times in a row is failed, not re-sent."""
+        out, self._in_flight = self._in_flight, None
+        if out is None:
+            return
+        for req, _ in out.scheduled():
+            rid = req.request_id
+            count = self._suspects[rid] = self._suspects.get(rid, 0) + 1
+            if count >= MAX_COMPUTE_FAILURES and (entry := self.choices.get(rid)) is not None:
+                del self._suspects[rid]
+                log.error(
+                    "request failed: in flight each of %d times the compute plane failed",
+                    count,
+                    extra={"request_id": entry[0].stream_id},
+                )
+                message = (
+                    f"the compute plane failed {count} times in a row while computing this "
+                    "request; it is not retried"
+                )
+                self._fail_stream(entry[0], RequestFailed("INTERNAL", message))
+
+    def _clear_suspects(self, out: SchedulerOutput) -> None:
+        """A step ran: its requests are no longer suspects (the count is "in a row")."""
+        for req, _ in out.scheduled():
+            self._suspects.pop(req.request_id, None)
+        for rid in [r for r in self._suspects if r not in self.choices]:
+            del self._suspects[rid]  # ended meanwhile
 
     def _observe_pool(self) -> None:
         """Gauges and the counters the scheduler keeps, pushed to Prometheus."""

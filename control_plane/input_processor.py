@@ -54,14 +54,18 @@ class InputProcessor:
                 f"the prompt has {len(prompt_ids)} tokens; the maximum context length is "
                 f"{bounds.max_model_len} tokens, prompt and output together"
             )
-        if min(prompt_ids) < 0 or max(prompt_ids) >= bounds.vocab_size:
-            raise AdmissionError(f"prompt token ids must be in 0..{bounds.vocab_size - 1}")
+        vocab = bounds.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise AdmissionError(f"prompt token ids must be in 0..{vocab - 1}")
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
+            raise AdmissionError(f"stop_token_ids: token id {bad[0]} is not in 0..{vocab - 1}")
         max_tokens = params.max_tokens or bounds.max_model_len - len(prompt_ids)
         if params.min_tokens > max_tokens:
             raise AdmissionError(
                 f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})"
             )
-        problem = SamplingSpec.from_proto(self.sampling(params, 0, bounds)).validate()
+        spec = SamplingSpec.from_proto(self.sampling(params, 0, bounds))
+        problem = spec.validate(bounds.vocab_size)
         if problem:
             raise AdmissionError(problem)
         return max_tokens

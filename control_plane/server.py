@@ -18,7 +18,7 @@ import grpc
 from control_plane.block_pool import IntegrityError
 from control_plane.chat_template import ChatTemplateError
 from control_plane.config import ControlConfig
-from control_plane.engine import ComputeUnavailable, ControlEngine
+from control_plane.engine import ComputeUnavailable, ControlEngine, RequestFailed
 from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
@@ -42,6 +42,8 @@ _STATUS = {
 
 
 def status_for(e: BaseException) -> grpc.StatusCode | None:
+    if isinstance(e, RequestFailed):
+        return getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL)
     return next((code for kind, code in _STATUS.items() if isinstance(e, kind)), None)
 
 

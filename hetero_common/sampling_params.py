@@ -56,8 +56,9 @@ class SamplingSpec:
             or bool(self.presence_penalty)
         )
 
-    def validate(self) -> str | None:
-        """A message naming the first bad field, or None."""
+    def validate(self, vocab_size: int | None = None) -> str | None:
+        """A message naming the first bad field, or None; token ids must be below
+        `vocab_size` when it is given."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             return f"temperature must be a finite number >= 0, got {self.temperature}"
         if not (0.0 < self.top_p <= 1.0):
@@ -76,4 +77,8 @@ class SamplingSpec:
             return f"min_tokens must be >= 0, got {self.min_tokens}"
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+        if vocab_size is not None:
+            bad = [t for t in self.banned_until_min if not 0 <= t < vocab_size]
+            if bad:
+                return f"token id {bad[0]} (min_tokens_banned_ids) not in 0..{vocab_size - 1}"
         return None

@@ -148,8 +148,18 @@ class StepError(_message.Message):
     message: str
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class RequestFailure(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: str
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining")
+    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining", "failed")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +170,7 @@ class StepResult(_message.Message):
     FORWARD_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -170,7 +181,8 @@ class StepResult(_message.Message):
     forward_ns: int
     sample_ns: int
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    failed: _containers.RepeatedCompositeFieldContainer[RequestFailure]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
@@ -185,17 +197,21 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_steps", "num_prompt_tokens_computed", "num_output_tokens_computed", "num_sampled_tokens", "num_requests_added", "num_active_requests")
+    __slots__ = ("num_steps", "num_prompt_tokens_computed", "num_output_tokens_computed", "num_sampled_tokens", "num_requests_added", "num_active_requests", "num_failed_requests", "num_resets")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_ADDED_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESETS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_prompt_tokens_computed: int
     num_output_tokens_computed: int
     num_sampled_tokens: int
     num_requests_added: int
     num_active_requests: int
-    def __init__(self, num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_output_tokens_computed: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_requests_added: _Optional[int] = ..., num_active_requests: _Optional[int] = ...) -> None: ...
+    num_failed_requests: int
+    num_resets: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_output_tokens_computed: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_requests_added: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., num_resets: _Optional[int] = ...) -> None: ...

@@ -94,3 +94,32 @@ def test_min_tokens_masks_banned_ids(engine: Engine) -> None:
     masked = _run(engine, {"m": (PROMPT, params)}, seed=0)["m"]
     assert masked[0] != first
     assert first not in masked[:3]
+
+
+def test_a_request_that_raises_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When a batch raises, the engine runs its requests one by one: the one that raises
+    alone is failed (INTERNAL), the others get the tokens they get without it."""
+    alone = _run(engine, {"good": (PROMPT, GREEDY)}, seed=3)["good"]
+    engine.reset()
+    run = engine.runner.run
+
+    def run_raising(rows, capture_logits=False):  # type: ignore[no-untyped-def]
+        if any(r.request_id == "bad" for r in rows):
+            raise IndexError("index 1000000000 is out of bounds")
+        return run(rows, capture_logits)
+
+    monkeypatch.setattr(engine.runner, "run", run_raising)
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=3)
+    res = engine.step(drv.step(new=[drv.new(r, PROMPT, len(PROMPT)) for r in ("good", "bad")]))
+    (failure,) = res.failed
+    assert failure.request_id == "bad" and failure.code == "INTERNAL"
+    assert "IndexError" in failure.message
+    assert list(res.sampled_ids) == ["good"] and set(engine.requests) == {"good"}
+    got = list(res.sampled_token_ids)
+    while len(got) < STEPS:
+        got += engine.step(drv.step(cont=[drv.cont("good", 1)])).sampled_token_ids
+    assert got == alone[:STEPS]
+    assert engine.stats().num_failed_requests >= 1
+    # Alone in its step, a raising request is the engine's fault as far as it can tell.
+    with pytest.raises(IndexError):
+        engine.step(drv.step(new=[drv.new("bad", PROMPT, len(PROMPT))]))

@@ -147,60 +147,39 @@ def test_four_concurrent_greedy_requests_match_transformers(stub, greedy_referen
 
 
 def test_malformed_steps_are_rejected_and_others_go_on(stub, greedy_reference) -> None:  # type: ignore[no-untyped-def]
+    """A step of the wrong shape is rejected whole; a new request with bad fields fails
+    alone, and the step runs for the others."""
     d = stub.Describe(pb.DescribeRequest())
     drv = StepDriver(d.num_kv_blocks, d.block_size, seed=11)
     stream = RunStream(stub)
     prompt, expected = greedy_reference["r0"]
     tokens: list[int] = []
 
-    def ok(step: pb.StepRequest) -> None:
+    def ok(step: pb.StepRequest) -> pb.StepResult:
         res = stream.send(step)
         assert not res.HasField("error"), res.error.message
         tokens.extend(res.sampled_token_ids)
+        return res
+
+    def new(rid: str, tokens: list[int], blocks: list[int], **sampling: float) -> pb.NewRequest:
+        return pb.NewRequest(
+            request_id=rid,
+            token_ids=tokens,
+            num_prompt_tokens=len(tokens),
+            num_scheduled_tokens=len(tokens),
+            block_ids=blocks,
+            sampling=pb.SamplingParams(**sampling),  # type: ignore[arg-type]
+        )
 
     ok(drv.step(new=[drv.new("good", prompt, len(prompt))]))
-    bad_cases = {
+    shape_cases = {
         "unknown request id 'ghost'": pb.StepRequest(
             continuing=[pb.ContinuingRequest(request_id="ghost", num_scheduled_tokens=1)]
         ),
         "unknown request id 'phantom'": pb.StepRequest(decode_ids=["phantom"]),
         "'good' appears twice": pb.StepRequest(decode_ids=["good"]),
-        f"block id {d.num_kv_blocks} out of range": pb.StepRequest(
-            new_requests=[
-                pb.NewRequest(
-                    request_id="x",
-                    token_ids=[1, 2, 3],
-                    num_prompt_tokens=3,
-                    num_scheduled_tokens=3,
-                    block_ids=[d.num_kv_blocks],
-                )
-            ]
-        ),
-        "do not fit in 1 blocks": pb.StepRequest(
-            new_requests=[
-                pb.NewRequest(
-                    request_id="y",
-                    token_ids=list(range(3, 3 + d.block_size + 1)),
-                    num_prompt_tokens=d.block_size + 1,
-                    num_scheduled_tokens=d.block_size + 1,
-                    block_ids=[5],
-                )
-            ]
-        ),
-        "temperature": pb.StepRequest(
-            new_requests=[
-                pb.NewRequest(
-                    request_id="z",
-                    token_ids=[5, 6],
-                    num_prompt_tokens=2,
-                    num_scheduled_tokens=2,
-                    block_ids=[6],
-                    sampling=pb.SamplingParams(temperature=math.nan),
-                )
-            ]
-        ),
     }
-    for i, (needle, bad) in enumerate(bad_cases.items()):
+    for i, (needle, bad) in enumerate(shape_cases.items()):
         ok(drv.step(cont=[drv.cont("good", 1)]))
         bad.step_id = 10_000 + i
         # A valid request in the same step is not run either: the step is rejected whole.
@@ -209,9 +188,35 @@ def test_malformed_steps_are_rejected_and_others_go_on(stub, greedy_reference) -
         assert res.error.code == "INVALID_ARGUMENT"
         assert needle in res.error.message, res.error.message
         assert len(res.sampled_ids) == 0
+    vocab, bs = d.vocab_size, d.block_size
+    request_cases = {
+        f"block id {d.num_kv_blocks} out of range": new("x", [1, 2, 3], [d.num_kv_blocks]),
+        "do not fit in 1 blocks": new("y", list(range(3, 3 + bs + 1)), [5]),
+        "temperature": new("z", [5, 6], [6], temperature=math.nan),
+        f"token id out of range 0..{vocab - 1}": new("v", [5, vocab], [7]),
+        f"token id 1000000000 (min_tokens_banned_ids) not in 0..{vocab - 1}": pb.NewRequest(
+            request_id="w",
+            token_ids=[5, 6],
+            num_prompt_tokens=2,
+            num_scheduled_tokens=2,
+            block_ids=[8],
+            sampling=pb.SamplingParams(min_tokens=1, min_tokens_banned_ids=[10**9]),
+        ),
+    }
+    for needle, bad_request in request_cases.items():
+        # The bad request fails alone: "good" computes and samples in the same step.
+        step = drv.step(cont=[drv.cont("good", 1)])
+        step.new_requests.append(bad_request)
+        res = ok(step)
+        assert list(res.sampled_ids) == ["good"]
+        (failure,) = res.failed
+        assert failure.request_id == bad_request.request_id
+        assert failure.code == "INVALID_ARGUMENT"
+        assert needle in failure.message, failure.message
     while len(tokens) < NEW_TOKENS:
         ok(drv.step(cont=[drv.cont("good", 1)]))
     stream.close()
     assert tokens == expected
     stats = stub.Stats(pb.StatsRequest())
     assert stats.num_active_requests == 1
+    assert stats.num_failed_requests == len(request_cases) and stats.num_resets == 0
