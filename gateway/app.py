@@ -14,11 +14,12 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from gateway.auth import require_api_key
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
-from gateway.errors import APIError
+from gateway.errors import APIError, http_error
 from gateway.metrics import instrument
 from gateway.multiplex import Multiplexer
 from gateway.request_id import RequestIdMiddleware
@@ -101,6 +102,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     app.add_middleware(RequestIdMiddleware)  # outermost: every response has an id
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.get("/health")(_health)
     app.get("/ready")(functools.partial(_ready, link))
     app.get("/v1/models")(functools.partial(_models, link))
@@ -129,8 +131,19 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return e.response()
 
 
+async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+    detail = e.detail if isinstance(e.detail, str) else "invalid request"
+    response = http_error(e.status_code, detail).response()
+    if e.headers:  # 405's Allow
+        response.headers.update(e.headers)
+    return response
+
+
 async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
     err = e.errors()[0]
+    if err.get("type") == "json_invalid":  # its loc is a byte offset, not a field
+        reason = (err.get("ctx") or {}).get("error", "")
+        return APIError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_tag(x)]
     param = ".".join(loc) or None
     message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import logging
+from typing import Any
+
 import grpc
 from fastapi.responses import JSONResponse
+
+log = logging.getLogger(__name__)
 
 _GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -12,6 +18,21 @@ _GRPC_TO_HTTP = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
+
+
+# What a client is told when a plane behind the gateway fails: the details (addresses,
+# the other plane's words) go to the gateway's log, not to the client.
+_SERVER_MESSAGES = {
+    grpc.StatusCode.UNAVAILABLE: "the model server is unavailable; retry shortly",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the request timed out",
+}
+
+
+class ErrorJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error may quote input that is not valid Unicode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
 
 
 class APIError(Exception):
@@ -49,7 +70,7 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         # Overload and unavailability are temporary: tell clients when to come back.
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return ErrorJSON(self.body(), status_code=self.status, headers=headers)
 
 
 def from_grpc(e: grpc.aio.AioRpcError) -> APIError:
@@ -64,4 +85,23 @@ def from_code(name: str, message: str) -> APIError:
 def _from_status(code: grpc.StatusCode, details: str | None) -> APIError:
     status, kind = _GRPC_TO_HTTP.get(code, (500, "internal_error"))
     param = "messages" if "chat" in (details or "") else None
-    return APIError(status, details or code.name, type=kind, param=param, code=code.name.lower())
+    message = details or code.name
+    if status >= 500:
+        log.warning("the control plane answered %s: %s", code.name, details)
+        message = _SERVER_MESSAGES.get(code, "the request failed in the model server")
+        if code == grpc.StatusCode.INTERNAL and details:
+            message = f"the request failed in the model server: {_first_line(details)}"
+    return APIError(status, message, type=kind, param=param, code=code.name.lower())
+
+
+def _first_line(details: str) -> str:
+    """A request's own failure, as the compute plane words it: no trace, no address."""
+    line = details.strip().splitlines()[0] if details.strip() else ""
+    return line if "ipv4:" not in line and "ipv6:" not in line else "internal error"
+
+
+def http_error(status: int, detail: str) -> APIError:
+    """Starlette's own errors (unknown route, wrong method, unreadable body) as OpenAI's."""
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return APIError(status, detail, type=kind, code=code)

@@ -8,35 +8,52 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
 
 INT32 = 2**31  # counts and token ids travel as int32 in control.proto
+# The control plane checks token ids against the model's vocabulary.
 TokenId = Annotated[int, Field(ge=0, lt=INT32)]
 
 
-class StreamOptions(BaseModel):
+def _encodable(v: str) -> str:
+    """JSON may spell lone UTF-16 surrogates ("\\ud800"); they are not text."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone UTF-16 surrogate at position {e.start}") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+
+
+class Strict(BaseModel):
+    """A JSON number is not a string, nor a boolean a number: no coercion."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Strict):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str
+    model: Text
     max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM-style extensions
     top_k: Annotated[int, Field(ge=-1, lt=INT32)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
@@ -69,11 +86,11 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -90,17 +107,15 @@ class CompletionRequest(SamplingFields):
         return None
 
 
-class TextPart(BaseModel):
+class TextPart(Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
