@@ -267,9 +267,9 @@ def launched(model: str, control_args: tuple[str, ...] = ()) -> Iterator[tuple[s
     kport, cport, gport = free_port(), free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
     quiet = ("--log-level", "WARNING")
-    k = [*quiet, "compute-plane", "--model", model, "--port", str(kport), "--metrics-port", "0"]
+    k = [*quiet, "compute-plane", "--model", model, "--port", str(kport), "--metrics-port", "-1"]
     c = [*quiet, "control-plane", "--model", model, "--port", str(cport), "--compute", compute]
-    c += ["--metrics-port", "0", *control_args]
+    c += ["--metrics-port", "-1", *control_args]
     with child(k, compute), child(c, control):
         cmd = [sys.executable, "-m", "hetero_infer.cli", *quiet, "gateway", "--port", str(gport)]
         gw = subprocess.Popen([*cmd, "--control", control])

@@ -143,7 +143,7 @@ def measure(
         try:
             wait_serving(compute, harness, timeout=60)
             args = ["--log-level", "WARNING", "control-plane", "--port", str(cport)]
-            args += ["--compute", compute, "--metrics-port", "0", "--max-num-seqs", "256"]
+            args += ["--compute", compute, "--metrics-port", "-1", "--max-num-seqs", "256"]
             args += ["--stream-interval", str(stream_interval)]
             with child(args, control):
                 started = time.perf_counter()

@@ -65,7 +65,10 @@ class ComputeConfig(GrpcServerConfig):
         metadata={"help": "cap on prompt + output tokens (default: the model's context length)"},
     )
     metrics_port: int = field(
-        default=8002, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"}
+        default=8002,
+        metadata={
+            "help": "port of the Prometheus /metrics endpoint (0: a free one, logged; -1: off)"
+        },
     )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}

@@ -18,7 +18,10 @@ class ControlConfig(GrpcServerConfig):
         default="default", metadata={"help": "tokenizer source: HF folder, .gguf, or 'default'"}
     )
     metrics_port: int = field(
-        default=8001, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"}
+        default=8001,
+        metadata={
+            "help": "port of the Prometheus /metrics endpoint (0: a free one, logged; -1: off)"
+        },
     )
     compute_timeout: float = field(
         default=60.0,

@@ -12,6 +12,7 @@ reflection, Prometheus on its own port, run until SIGINT/SIGTERM, drain, stop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,8 @@ import prometheus_client
 from hetero_common.grpc_health import HealthReporter
 from hetero_common.server_config import GrpcServerConfig
 
+log = logging.getLogger(__name__)
+
 
 class GrpcPlane:
     def __init__(self, config: GrpcServerConfig, service: str) -> None:
@@ -31,12 +34,17 @@ class GrpcPlane:
         self.server = grpc.aio.server()
         self.health = HealthReporter(self.server, service)
         self._stop = asyncio.Event()
+        self.metrics_port: int | None = None  # once serving /metrics
 
     async def start(self) -> None:
         """Listen (NOT_SERVING until `health.set(True)`), serve /metrics, catch signals."""
         self.config.tls.add_port(self.server, self.address)
-        if self.config.metrics_port:
-            prometheus_client.start_http_server(self.config.metrics_port, addr=self.config.host)
+        if self.config.metrics_port >= 0:  # 0: a free port, -1: none
+            httpd, _ = prometheus_client.start_http_server(
+                self.config.metrics_port, addr=self.config.host
+            )
+            self.metrics_port = int(httpd.server_port)
+            log.info("metrics at http://%s:%d/metrics", self.config.host, self.metrics_port)
         await self.server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -32,7 +32,10 @@ class GrpcServerConfig(ServerConfig):
     """A gRPC plane: Prometheus on its own port, optional (mutual) TLS."""
 
     metrics_port: int = field(
-        default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"}
+        default=-1,
+        metadata={
+            "help": "port of the Prometheus /metrics endpoint (0: a free one, logged; -1: off)"
+        },
     )
     tls_cert: str | None = field(
         default=None, metadata={"help": "PEM certificate: serve gRPC over TLS (with --tls-key)"}
@@ -50,5 +53,5 @@ class GrpcServerConfig(ServerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.tls  # noqa: B018 -- validates the TLS flags
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")

@@ -81,7 +81,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.otlp_traces_endpoint:
         log_args += ("--otlp-traces-endpoint", args.otlp_traces_endpoint)
     return serve_stack(
-        args.model, args.host, args.port, list(args.compute_arg or []), log_args=log_args
+        args.model,
+        args.host,
+        args.port,
+        list(args.compute_arg or []),
+        log_args=log_args,
+        metrics_ports=(args.compute_metrics_port, args.control_metrics_port),
     )
 
 
@@ -128,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
+    for plane in ("compute", "control"):
+        p.add_argument(
+            f"--{plane}-metrics-port",
+            type=int,
+            default=0,
+            help=f"port of the {plane} plane's /metrics (0: a free one, logged; -1: off)",
+        )
     p.add_argument(
         "--compute-arg",
         action="append",

@@ -91,7 +91,8 @@ def local_planes(
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports; yields the control plane address.
 
-    metrics_ports: the (compute, control) /metrics ports; default: free ones.
+    metrics_ports: the (compute, control) /metrics ports (0: the plane picks a free one and
+    logs it; -1: none); default: free ones.
     log_args: --log-level / --log-format flags for both.
     """
     cport, kport = free_port(), free_port()
@@ -127,7 +128,12 @@ def wait_http_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30
 
 
 def serve_stack(
-    model: str, host: str, port: int, compute_args: list[str], log_args: tuple[str, ...] = ()
+    model: str,
+    host: str,
+    port: int,
+    compute_args: list[str],
+    log_args: tuple[str, ...] = (),
+    metrics_ports: tuple[int, int] = (0, 0),
 ) -> int:
     """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready."""
     stop = False
@@ -138,12 +144,11 @@ def serve_stack(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    metrics = (8002, 8001)  # the defaults of compute-plane and control-plane
     with local_planes(
         model,
         quiet=False,
         extra_compute=tuple(compute_args),
-        metrics_ports=metrics,
+        metrics_ports=metrics_ports,
         log_args=log_args,
     ) as control:
         gw = subprocess.Popen(

@@ -58,8 +58,8 @@ class OfflineLLM:
         control: ControlConfig | None = None,
     ) -> None:
         path = resolve_model_path(model)
-        self.compute_config = compute or ComputeConfig(model=str(path), metrics_port=0)
-        self.control_config = control or ControlConfig(model=str(path), metrics_port=0)
+        self.compute_config = compute or ComputeConfig(model=str(path), metrics_port=-1)
+        self.control_config = control or ControlConfig(model=str(path), metrics_port=-1)
         self.tokenizer = load_tokenizer(path)
         self.engine = Engine(self.compute_config, load_model(path, progress=False))
         self.engine.warmup()

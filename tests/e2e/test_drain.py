@@ -35,9 +35,9 @@ def request() -> pb.GenerateRequest:
 def planes(extra_compute: tuple[str, ...] = ()) -> tuple[list[str], list[str], str, str]:
     kport, cport = free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
-    k = ["compute-plane", "--port", str(kport), "--metrics-port", "0"]
+    k = ["compute-plane", "--port", str(kport), "--metrics-port", "-1"]
     k += ["--kv-cache-bytes", str(64 << 20), "--drain-timeout", str(DRAIN), *extra_compute]
-    c = ["control-plane", "--port", str(cport), "--compute", compute, "--metrics-port", "0"]
+    c = ["control-plane", "--port", str(cport), "--compute", compute, "--metrics-port", "-1"]
     c += ["--drain-timeout", str(DRAIN)]
     return k, c, compute, control
 

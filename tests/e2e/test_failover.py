@@ -89,7 +89,7 @@ def test_gateway_reopens_its_call_after_a_control_plane_crash() -> None:
     the gateway opens a new call and serves as before."""
     kport, cport = free_port(), free_port()
     control = f"127.0.0.1:{cport}"
-    control_cmd = ["control-plane", "--port", str(cport), "--metrics-port", "0"]
+    control_cmd = ["control-plane", "--port", str(cport), "--metrics-port", "-1"]
     with contextlib.ExitStack() as stack:
         compute = stack.enter_context(compute_plane("--kv-cache-bytes", str(32 << 20), port=kport))
         control_cmd += ["--compute", compute]

@@ -138,7 +138,7 @@ def test_bad_tls_flags_stop_the_control_plane(
     args: list[str], message: str, tmp_path: Path
 ) -> None:
     cmd = [sys.executable, "-m", "hetero_infer.cli", "control-plane", "--port", str(free_port())]
-    cmd += ["--metrics-port", "0", *args]
+    cmd += ["--metrics-port", "-1", *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr

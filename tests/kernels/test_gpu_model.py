@@ -46,11 +46,11 @@ def _greedy(path: Path, device: str, dtype: str) -> list[tuple[list[int], torch.
             model=str(path),
             device=device,
             dtype=dtype,
-            metrics_port=0,
+            metrics_port=-1,
             gpu_memory_utilization=0.3,
             max_num_seqs=8,
         ),
-        control=ControlConfig(model=str(path), metrics_port=0),
+        control=ControlConfig(model=str(path), metrics_port=-1),
     )
     if device == "cuda":
         assert llm.engine.describe().attention_backend == "triton"
