@@ -32,6 +32,7 @@ from compute_plane.requests import (
 )
 from compute_plane.sampler import SampleOutput
 from hetero_common.logs import split_choice_id
+from hetero_common.model_path import model_display_name
 from hetero_common.tracing import RequestSpan, start_span
 from hetero_proto import compute_pb2 as pb
 
@@ -107,7 +108,8 @@ class Engine:
         )
         self.requests: dict[str, RequestState] = {}
         self.counters = pb.StatsResponse()
-        self._metric_labels = {"model_name": self.model_name}
+        # The served model's id, as the control plane's ModelInfo and metrics name it.
+        self.metric_labels = {"model_name": model_display_name(loaded.path)}
         self._init_metrics(loaded)
         # Tests of numeric parity turn this on to see the logits of every computed
         # token (the serving path only computes logits of the tokens it samples).
@@ -137,7 +139,7 @@ class Engine:
         return model, num_blocks
 
     def _init_metrics(self, loaded: LoadedModel) -> None:
-        m = self._metric_labels
+        m = self.metric_labels
         metrics.kv_blocks_total.labels(**m).set(self.num_blocks)
         # A weak reference: the metric registry is global and must not keep the engine
         # (its weights and KV cache) alive after its owner drops it.
@@ -192,7 +194,7 @@ class Engine:
             num_failed_requests=c.num_failed_requests, num_resets=c.num_resets + failed
         )
         if failed:
-            metrics.engine_resets.labels(**self._metric_labels).inc()
+            metrics.engine_resets.labels(**self.metric_labels).inc()
 
     def stats(self) -> pb.StatsResponse:
         s = pb.StatsResponse()
@@ -257,7 +259,7 @@ class Engine:
         )
         result.failed.add(request_id=f.request_id, code=f.code, message=f.message)
         self.counters.num_failed_requests += 1
-        metrics.failed_requests.labels(code=f.code, **self._metric_labels).inc()
+        metrics.failed_requests.labels(code=f.code, **self.metric_labels).inc()
 
     def _isolate(self, rows: list[Row], result: pb.StepResult) -> tuple[list[Row], StepOutput]:
         """The batch raised: run each request alone, fail those that raise alone, run the
@@ -300,7 +302,7 @@ class Engine:
             r.state.num_computed_tokens += r.count
         decodes = sum(1 for r in rows if r.count == 1)
         kind = "decode" if decodes == len(rows) else "prefill" if decodes == 0 else "mixed"
-        m = self._metric_labels
+        m = self.metric_labels
         metrics.step_duration.labels(kind=kind, **m).observe((out.forward_ns + out.sample_ns) / 1e9)
         metrics.tokens_per_step.labels(**m).observe(out.num_tokens)
         metrics.seqs_per_step.labels(**m).observe(len(rows))

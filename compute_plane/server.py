@@ -143,7 +143,5 @@ def _load_engine(config: ComputeConfig) -> Engine:
         torch.set_num_threads(config.num_threads)
     engine = Engine(config, load_model(resolve_model_path(config.model), progress=True))
     engine.warmup()
-    metrics.model_load_seconds.labels(model_name=engine.model_name).set(
-        time.perf_counter() - started
-    )
+    metrics.model_load_seconds.labels(**engine.metric_labels).set(time.perf_counter() - started)
     return engine

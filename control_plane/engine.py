@@ -86,8 +86,13 @@ def _queue(sched: Scheduler, stream: GenerateStream) -> None:
 
 class ControlEngine:
     def __init__(
-        self, config: ControlConfig, tokenizer: TokenizerWrapper, link: ComputeLink | None = None
+        self,
+        config: ControlConfig,
+        tokenizer: TokenizerWrapper,
+        link: ComputeLink | None = None,
+        model_name: str = "unknown",
     ) -> None:
+        """`model_name`: the served model's id (ModelInfo's), the metrics' model_name label."""
         self.config = config
         self.tokenizer = tokenizer
         self.inputs = InputProcessor(tokenizer)
@@ -104,7 +109,7 @@ class ControlEngine:
         self._step_id = 0
         self._task: asyncio.Task[None] | None = None
         self.attached = asyncio.Event()
-        self._set_model_label("unknown")
+        self._set_model_label(model_name)
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         self._lost = False  # set by the watchdog when the compute plane stops answering
         self._lost_since = 0.0
@@ -114,8 +119,12 @@ class ControlEngine:
         # request whose prompt blocks they fork (n > 1) or None.
         self._parked: list[tuple[Request, Request | None]] = []
         self._in_flight: SchedulerOutput | None = None  # the step sent, until its result
-        # Requests in flight when the compute plane failed, until a step of theirs runs.
+        # Requests in flight when the compute plane failed, until a step of theirs runs,
+        # with how many failures in a row they saw. They go back one at a time: the others
+        # wait in `_held` until the one on trial has run a step (or ended), so a request
+        # that crashes the compute plane again is alone among the suspects when it does.
         self._suspects: dict[str, int] = {}
+        self._held: list[tuple[Request, Request | None]] = []
         self._watchdog: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -146,7 +155,6 @@ class ControlEngine:
         self.description = d
         self._compute_draining = False
         self._readmit()
-        self._set_model_label(d.model_name)
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         metrics.compute_attached.labels(**self.labels).set(1)
         self.attached.set()
@@ -245,6 +253,10 @@ class ControlEngine:
             return
         stream.span.set({"gen_ai.response.finish_reasons": "abort"})
         stream.span.end()
+        reason = Status.FINISHED_ABORTED.value
+        metrics.request_success.labels(finished_reason=reason, **self.labels).inc()
+        if self._held and self.scheduler is not None:
+            self._next_suspect()
         for c in stream.choices:
             if not c.finished and self.scheduler is not None:
                 self.scheduler.abort(c.request.request_id)
@@ -347,7 +359,7 @@ class ControlEngine:
             if (entry := self.choices.get(f.request_id)) is not None:
                 self._fail_stream(entry[0], RequestFailed(f.code, f.message))
 
-    def _fail_stream(self, stream: GenerateStream, error: RequestFailed) -> None:
+    def _fail_stream(self, stream: GenerateStream, error: Exception) -> None:
         """End one stream with an error; its choices' blocks are freed at once."""
         stream.fail(error)
         self.outputs.remove(stream)
@@ -355,6 +367,8 @@ class ControlEngine:
             if not c.finished and self.scheduler is not None:
                 self.scheduler.abort(c.request.request_id)
         metrics.request_success.labels(finished_reason="error", **self.labels).inc()
+        if self._held and self.scheduler is not None:
+            self._next_suspect()
 
     def _quarantine(self) -> None:
         """The compute plane failed with a step in flight: its requests are suspects; one
@@ -384,6 +398,8 @@ class ControlEngine:
             self._suspects.pop(req.request_id, None)
         for rid in [r for r in self._suspects if r not in self.choices]:
             del self._suspects[rid]  # ended meanwhile
+        if self._held:
+            self._next_suspect()
 
     def _observe_pool(self) -> None:
         """Gauges and the counters the scheduler keeps, pushed to Prometheus."""
@@ -487,33 +503,58 @@ class ControlEngine:
             req.num_computed_tokens = 0
             req.sent_to_compute = False
             req.status = Status.WAITING
-        self._parked = parked
+        self._parked = parked + self._held
+        self._held = []
 
     def _readmit(self) -> None:
-        """Queue the parked requests on the new scheduler; those that no longer fit fail."""
+        """Queue the parked requests on the new scheduler, suspects one at a time (the
+        rest wait in `_held`); those that no longer fit fail."""
+        parked, self._parked = self._parked, []
+        on_trial = False
+        for req, parent in parked:
+            if req.request_id in self._suspects:
+                if on_trial:
+                    self._held.append((req, parent))
+                    continue
+                on_trial = True
+            self._queue_again(req, parent)
+        if parked:
+            log.info(
+                "re-admitted %d requests after reattaching (%d suspects wait their turn)",
+                len(parked) - len(self._held),
+                len(self._held),
+            )
+            self._wake.set()
+
+    def _queue_again(self, req: Request, parent: Request | None) -> None:
         sched = self.scheduler
         assert sched is not None
-        parked, self._parked = self._parked, []
-        for req, parent in parked:
-            entry = self.choices.get(req.request_id)
-            if entry is None:
-                continue  # cancelled while the compute plane was away
-            try:
-                sched.add_request(req, fork_of=parent)
-            except (AdmissionError, QueueFullError) as e:
-                stream = entry[0]
-                stream.fail(e)
-                self.abort(stream)
-        if parked:
-            log.info("re-admitted %d requests after reattaching", len(parked))
-            self._wake.set()
+        entry = self.choices.get(req.request_id)
+        if entry is None:
+            return  # cancelled while the compute plane was away
+        try:
+            sched.add_request(req, fork_of=parent)
+        except (AdmissionError, QueueFullError) as e:
+            self._fail_stream(entry[0], e)
+
+    def _next_suspect(self) -> None:
+        """The suspect on trial ran a step or ended: queue the next one."""
+        held = {r.request_id for r, _ in self._held}
+        if any(rid in self.choices and rid not in held for rid in self._suspects):
+            return  # one is still on trial
+        while self._held:
+            req, parent = self._held.pop(0)
+            if req.request_id in self.choices:
+                self._queue_again(req, parent)
+                self._wake.set()
+                return
 
     def _fail_all(self, error: Exception) -> None:
         for stream in list(self.streams.values()):
             stream.fail(ComputeUnavailable(f"compute plane lost: {error}"))
         self.streams.clear()
         self.choices.clear()
-        self._parked = []
+        self._parked, self._held, self._suspects = [], [], {}
         self.scheduler = None
         metrics.compute_attached.labels(**self.labels).set(0)
         metrics.requests_running.labels(**self.labels).set(0)

@@ -384,7 +384,7 @@ async def serve(config: ControlConfig) -> None:
     """Serve until SIGINT/SIGTERM, then drain: refuse new requests (UNAVAILABLE) and let
     those in flight finish, up to --drain-timeout."""
     path: Path = resolve_model_path(config.model)
-    engine = ControlEngine(config, load_tokenizer(path))
+    engine = ControlEngine(config, load_tokenizer(path), model_name=model_display_name(path))
     plane = GrpcPlane(config, SERVICE_NAME)
     servicer = ControlServicer(engine, model_display_name(path))
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, plane.server)

@@ -25,6 +25,7 @@ from gateway.multiplex import Multiplexer
 from gateway.request_id import RequestIdMiddleware
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.serving import ChatServing, CompletionServing
+from gateway.slow_clients import guarded_h11
 from gateway.tracing import TracingMiddleware
 from hetero_common.tracing import tracing_enabled
 from hetero_proto import control_pb2 as pb
@@ -93,7 +94,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
         lifespan=lifespan,
     )
     app.state.link = link
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
     if config.api_key:
         require_api_key(app, config.api_key)
     instrument(app)  # added after the others, so outside them: 401s are counted too
@@ -206,6 +207,7 @@ async def serve(config: GatewayConfig) -> None:
             port=config.port,
             log_level="info",
             log_config=None,  # uvicorn's loggers go through the process's handler (--log-format)
+            http=guarded_h11(config.header_timeout, config.max_idle_connections_per_ip),
             lifespan="on",
             # SIGTERM: stop accepting connections, finish in-flight requests (streams too).
             timeout_graceful_shutdown=math.ceil(config.drain_timeout),

@@ -1,6 +1,9 @@
-"""A cap on request body size: larger bodies get 413 before any of them is parsed."""
+"""A cap on request body size (larger bodies get 413 before any of them is parsed) and on
+how long the body may pause (408)."""
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -14,9 +17,10 @@ class BodyLimit:
     chunked upload cannot slip past the limit.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout  # seconds between two reads of the body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
@@ -28,7 +32,14 @@ class BodyLimit:
             return
         body = bytearray()
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout)
+            except TimeoutError:
+                error = APIError(
+                    408, f"the request body stalled for {self.timeout:g} s", code="timeout"
+                )
+                await error.response()(scope, receive, send)
+                return
             if message["type"] == "http.disconnect":
                 return  # the client left before sending its body
             body += message.get("body", b"")

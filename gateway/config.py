@@ -31,6 +31,21 @@ class GatewayConfig(ServerConfig):
     max_body_bytes: int = field(
         default=2 << 20, metadata={"help": "largest accepted request body (larger: HTTP 413)"}
     )
+    header_timeout: float = field(
+        default=10.0,
+        metadata={"help": "seconds a connection may take to send a request's headers; then closed"},
+    )
+    body_timeout: float = field(
+        default=30.0,
+        metadata={"help": "seconds the request body may pause between reads (then HTTP 408)"},
+    )
+    max_idle_connections_per_ip: int = field(
+        default=64,
+        metadata={
+            "help": "connections one client address may hold waiting for headers; "
+            "past it, its oldest such connection is closed"
+        },
+    )
     control_tls_ca: str | None = field(
         default=None,
         metadata={"help": "PEM CA bundle: dial the control plane over TLS, verified by it"},
@@ -55,5 +70,10 @@ class GatewayConfig(ServerConfig):
             object.__setattr__(self, "api_key", os.environ.get(API_KEY_ENV) or None)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
+        for name in ("request_timeout", "header_timeout", "body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_idle_connections_per_ip < 1:
+            raise ValueError(
+                f"max_idle_connections_per_ip must be >= 1, got {self.max_idle_connections_per_ip}"
+            )

@@ -23,7 +23,7 @@ from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
 from control_plane.tokenizer import load_tokenizer
 from hetero_common.accumulate import Accumulated
-from hetero_common.model_path import resolve_model_path
+from hetero_common.model_path import model_display_name, resolve_model_path
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -61,6 +61,7 @@ class OfflineLLM:
         self.compute_config = compute or ComputeConfig(model=str(path), metrics_port=-1)
         self.control_config = control or ControlConfig(model=str(path), metrics_port=-1)
         self.tokenizer = load_tokenizer(path)
+        self.model_name = model_display_name(path)
         self.engine = Engine(self.compute_config, load_model(path, progress=False))
         self.engine.warmup()
 
@@ -74,7 +75,12 @@ class OfflineLLM:
     async def _generate(
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
     ) -> list[Completion]:
-        control = ControlEngine(self.control_config, self.tokenizer, in_process_link(self.engine))
+        control = ControlEngine(
+            self.control_config,
+            self.tokenizer,
+            in_process_link(self.engine),
+            model_name=self.model_name,
+        )
         await control.start()
         try:
             await control.attached.wait()

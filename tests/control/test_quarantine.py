@@ -1,0 +1,84 @@
+"""The control engine against a compute engine that dies whenever one request reaches it:
+that request is failed after its second crash, and every other request finishes with the
+tokens it gets when nothing crashes (the bundled model, greedy)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from compute_plane.config import ComputeConfig
+from compute_plane.engine import Engine
+from compute_plane.loader import load_model
+from control_plane.compute_client import ComputeLinkError, InProcessLink
+from control_plane.config import ControlConfig
+from control_plane.engine import ControlEngine, RequestFailed
+from control_plane.outputs import GenerateStream
+from control_plane.tokenizer import load_tokenizer
+from hetero_common.accumulate import Accumulated
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+PROMPTS = {"a": [504, 3458, 281], "b": [1812, 314, 253, 3360, 28], "c": [2710, 42, 33, 17]}
+POISON = [9, 8, 7, 6]
+PARAMS = pb.GenerationParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+async def _tokens(stream: GenerateStream) -> list[int] | BaseException:
+    acc = Accumulated()
+    while True:
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            return item
+        if acc.add(item):
+            return acc.choice(0).token_ids
+
+
+async def _run(path: Path, poison: bool) -> tuple[dict[str, list[int] | BaseException], int]:
+    engine = Engine(
+        ComputeConfig(model=str(path), kv_cache_bytes=16 << 20, metrics_port=-1),
+        load_model(path, progress=False),
+    )
+    crashes = 0
+
+    def answer(step: cpb.StepRequest) -> cpb.StepResult:
+        nonlocal crashes
+        if any(n.request_id.startswith("poison") for n in step.new_requests):
+            crashes += 1
+            engine.reset(failed=True)
+            raise ComputeLinkError("the compute plane died")  # as a crashed process looks
+        return engine.step(step)
+
+    link = InProcessLink(engine.describe, answer, on_attach=engine.reset)
+    control = ControlEngine(
+        ControlConfig(model=str(path), metrics_port=-1), load_tokenizer(path), link
+    )
+    await control.start()
+    try:
+        await control.attached.wait()
+        streams = {"a": control.submit(PROMPTS["a"], PARAMS, request_id="a")}
+        await asyncio.sleep(0.05)  # "a" is running when the others come
+        for rid in ("b", "c"):
+            streams[rid] = control.submit(PROMPTS[rid], PARAMS, request_id=rid)
+        if poison:
+            streams["poison"] = control.submit(POISON, PARAMS, request_id="poison")
+        results = dict(
+            zip(streams, await asyncio.gather(*map(_tokens, streams.values())), strict=True)
+        )
+        return results, crashes
+    finally:
+        await control.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_request_that_crashes_the_compute_plane_twice_is_failed(smollm2_path: Path) -> None:
+    clean, _ = asyncio.run(_run(smollm2_path, poison=False))
+    got, crashes = asyncio.run(_run(smollm2_path, poison=True))
+    failed = got.pop("poison")
+    assert isinstance(failed, RequestFailed) and failed.code == "INTERNAL", failed
+    assert "2 times in a row" in str(failed)
+    assert crashes == 2
+    assert got == clean  # the others finish, their tokens unchanged
+    assert all(isinstance(v, list) and len(v) == 12 for v in clean.values())
