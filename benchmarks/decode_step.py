@@ -36,7 +36,7 @@ from compute_plane.attention import AttentionMetadata, TorchPagedAttention
 from compute_plane.attention.cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
 from compute_plane.loader import load_model
-from compute_plane.model import Model, onednn_linear
+from compute_plane.model import Model, onednn_linear, with_quantized
 from hetero_common.model_path import resolve_model_path
 
 LINEARS = {"mkl": F.linear, "onednn": onednn_linear}
@@ -127,7 +127,7 @@ def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int
     chosen = model.linear
     # Alternated, twice each: this machine's speed drifts within a run.
     for lname, lin in [*LINEARS.items()] * 2:
-        model.linear = lin
+        model.linear = with_quantized(lin)
         key = f"cpu_{lname}_ms"
         row[key] = min(timed(), row.get(key, float("inf")))
     model.linear = chosen

@@ -70,12 +70,22 @@ class ComputeConfig(GrpcServerConfig):
             "help": "port of the Prometheus /metrics endpoint (0: a free one, logged; -1: off)"
         },
     )
+    quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: a quantized GGUF's weights stay quantized on the CPU (float32 "
+            "only; dequantized on CUDA); none: dequantize every weight; int8: also quantize "
+            "dense weights to int8 per group of 32 (CPU, float32)"
+        },
+    )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.quantization not in ("auto", "none", "int8"):
+            raise ValueError(f"quantization must be auto, none or int8, got {self.quantization!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

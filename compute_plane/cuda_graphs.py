@@ -52,7 +52,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_batch)
         self.max_blocks = -(-max_model_len // block_size)
-        dev = model.embed.device
+        dev = model.device
         b = self.sizes[-1]
         self.input_ids = torch.zeros(b, dtype=torch.long, device=dev)
         self.positions = torch.zeros(b, dtype=torch.long, device=dev)

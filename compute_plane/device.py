@@ -33,3 +33,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type != "cuda":
         return torch.float32
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """What the weights become: "gguf" (quantized GGUF weights stay quantized), "int8"
+    (dense weights quantized too) or None (all dense). Quantized weights run on the CPU's
+    C kernels with float32 activations; `auto` falls back to dense elsewhere."""
+    from compute_plane.quant import kernels_available
+
+    if name == "none":
+        return None
+    usable = device.type == "cpu" and dtype == torch.float32
+    if name == "auto":
+        return "gguf" if usable and kernels_available() else None
+    if not usable:
+        raise ValueError(
+            f"--quantization {name} runs on the CPU in float32, not on {device} in {dtype}"
+        )
+    if not kernels_available():
+        raise ValueError(f"--quantization {name}: the quantized CPU kernels cannot be built here")
+    return name

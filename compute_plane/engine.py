@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import logging
 import weakref
+from pathlib import Path
 
 import torch
 
-from compute_plane import metrics
+from compute_plane import metrics, quant
 from compute_plane.attention import AttentionMetadata
 from compute_plane.attention.factory import model_kernels, resolve_attention_backend
 from compute_plane.config import ComputeConfig
 from compute_plane.cuda_graphs import DecodeGraphs
-from compute_plane.device import resolve_device, resolve_dtype
+from compute_plane.device import resolve_device, resolve_dtype, resolve_quantization
 from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, num_blocks_for_budget
-from compute_plane.loader import LoadedModel
+from compute_plane.loader import LoadedModel, load_model
 from compute_plane.model import Model, ModelKernels
 from compute_plane.model_runner import ModelRunner, StepOutput
 from compute_plane.requests import (
@@ -66,6 +67,14 @@ def _end_span(state: RequestState) -> None:
     state.span.end()
 
 
+def load_for(config: ComputeConfig, path: Path, progress: bool = False) -> LoadedModel:
+    """Load the model as `config` will run it: quantized GGUF matrices stay quantized
+    (never materialised in float) where the engine keeps them so."""
+    device = resolve_device(config.device)
+    mode = resolve_quantization(config.quantization, device, resolve_dtype(config.dtype, device))
+    return load_model(path, progress=progress, quantized=mode is not None)
+
+
 class Engine:
     def __init__(self, config: ComputeConfig, loaded: LoadedModel) -> None:
         self.config = config
@@ -73,6 +82,7 @@ class Engine:
         self.model_name = loaded.config.name or loaded.path.name
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.quantization = resolve_quantization(config.quantization, self.device, self.dtype)
         cfg = loaded.config
         self.block_size = config.block_size
         backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
@@ -122,19 +132,20 @@ class Engine:
         """The model on its device, and how many KV blocks fit: on CUDA what free memory
         leaves once a step has run; on the CPU the configured byte budget."""
         cfg, config = loaded.config, self.config
+        weights = quant.prepare(loaded.weights, self.quantization)
         max_len = min(
             cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings
         )
         if self.device.type == "cuda":
             free_before, _ = torch.cuda.mem_get_info(self.device)
-            model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
+            model = Model(cfg, weights, self.device, self.dtype, max_len + 1, kernels)
             num_blocks = num_blocks_from_free_memory(model, config, max_len, free_before)
         else:
             num_blocks = num_blocks_for_budget(
                 cfg, self.block_size, self.dtype, config.kv_cache_bytes
             )
             max_len = min(max_len, (num_blocks - 1) * self.block_size)
-            model = Model(cfg, loaded.weights, self.device, self.dtype, max_len + 1, kernels)
+            model = Model(cfg, weights, self.device, self.dtype, max_len + 1, kernels)
         self.model_max_len = max_len
         return model, num_blocks
 
@@ -147,12 +158,12 @@ class Engine:
         metrics.kv_blocks_used.labels(**m).set_function(
             lambda: e._blocks_in_use() if (e := ref()) is not None else 0
         )
-        weights = sum(t.nbytes for t in loaded.weights.values())
         held = (
             torch.cuda.memory_allocated()
             if self.device.type == "cuda"
-            else weights + self.kv_cache.nbytes
+            else self.model.weight_bytes + self.kv_cache.nbytes
         )
+        metrics.weight_bytes.labels(**m).set(self.model.weight_bytes)
         metrics.device_memory_used.labels(**m).set(held)
 
     def _blocks_in_use(self) -> int:
@@ -178,6 +189,8 @@ class Engine:
             num_attention_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
+            weight_bytes=self.model.weight_bytes,
+            quantization=self.quantization or "",
             hidden_size=cfg.hidden_size,
             kv_cache_bytes=self.kv_cache.nbytes,
             bos_token_id=-1 if cfg.bos_token_id is None else cfg.bos_token_id,

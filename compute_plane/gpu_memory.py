@@ -35,9 +35,9 @@ def _profile_step(
     per = min(max_len, -(-num_tokens // seqs))
     lens = [per] * seqs
     blocks_each = -(-per // block_size)
-    cache = KVCache(model.cfg, seqs * blocks_each + 1, block_size, model.embed.dtype,
-                    model.embed.device)  # fmt: skip
-    dev = model.embed.device
+    cache = KVCache(model.cfg, seqs * blocks_each + 1, block_size, model.dtype,
+                    model.device)  # fmt: skip
+    dev = model.device
     tables = 1 + torch.arange(seqs * blocks_each, dtype=torch.int32, device=dev)
     tables = tables.view(seqs, blocks_each)
     pos = torch.arange(per, device=dev)
@@ -63,7 +63,7 @@ def num_blocks_from_free_memory(
 
     `free_before`: free device memory before this engine put anything on the device.
     """
-    device = model.embed.device
+    device = model.device
     block_size = config.block_size
     utilization = config.gpu_memory_utilization
     torch.cuda.synchronize(device)
@@ -80,7 +80,7 @@ def num_blocks_from_free_memory(
     in_use = max(0, free_before - free)  # this engine's context, weights and tables
     margin = 256 << 20  # for the CUDA graphs' pool and the allocator's slack
     budget = min(int(total * utilization) - in_use - activations, free - activations - margin)
-    per_block = bytes_per_block(model.cfg, block_size, model.embed.dtype)
+    per_block = bytes_per_block(model.cfg, block_size, model.dtype)
     n = budget // per_block
     log.info(
         "GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB activation peak; "

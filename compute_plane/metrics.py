@@ -35,6 +35,11 @@ device_memory_used = Gauge(
     "Device memory held: weights + KV cache (CUDA: allocator's figure)",
     L,
 )
+weight_bytes = Gauge(
+    "hetero_compute_weight_bytes",
+    "Bytes the model's weights take in memory (quantized weights: their codes and scales)",
+    L,
+)
 model_load_seconds = Gauge(
     "hetero_compute_model_load_seconds", "Time to load and warm up the model", L
 )

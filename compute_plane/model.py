@@ -8,7 +8,8 @@ fused on load (q|k|v and gate|up become one matmul each).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from compute_plane.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from compute_plane.model_config import ModelConfig
+from compute_plane.quant import QuantWeight, Weight, cat, weight_bytes
 from compute_plane.rotary import RotaryEmbedding
 
 
@@ -34,7 +36,8 @@ def add_rms_norm(
     return rms_norm(h, weight, eps), h
 
 
-Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+Linear = Callable[[torch.Tensor, Weight, torch.Tensor | None], torch.Tensor]
+DenseLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 def onednn_linear(
@@ -51,7 +54,18 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
-def pick_linear(device: torch.device, dtype: torch.dtype) -> Linear:
+def with_quantized(dense: DenseLinear) -> Linear:
+    """A linear that runs a QuantWeight on its own kernels and a tensor on `dense`."""
+
+    def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(w, QuantWeight):
+            return w.linear(x, bias)
+        return dense(x, w, bias)
+
+    return linear
+
+
+def pick_linear(device: torch.device, dtype: torch.dtype) -> DenseLinear:
     """oneDNN on CPU fp32 when this torch build has it (and it computes), else F.linear."""
     if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return F.linear
@@ -83,24 +97,41 @@ def torch_kernels(cfg: ModelConfig) -> ModelKernels:
 class Layer:
     """One decoder layer's fused weights."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], i: int) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, Weight], i: int) -> None:
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        self.input_norm = w[p + "input_layernorm.weight"]
-        self.post_norm = w[p + "post_attention_layernorm.weight"]
-        self.qkv = torch.cat(
-            [w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]
-        )
+        dense = functools.partial(_tensor, w)
+        self.input_norm = dense(p + "input_layernorm.weight")
+        self.post_norm = dense(p + "post_attention_layernorm.weight")
+        self.qkv = cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         self.qkv_bias = (
-            torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+            torch.cat(
+                [dense(a + "q_proj.bias"), dense(a + "k_proj.bias"), dense(a + "v_proj.bias")]
+            )
             if cfg.attention_bias
             else None
         )
         self.o = w[a + "o_proj.weight"]
-        self.q_norm = w[a + "q_norm.weight"] if cfg.qk_norm else None
-        self.k_norm = w[a + "k_norm.weight"] if cfg.qk_norm else None
-        self.gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        self.q_norm = dense(a + "q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = dense(a + "k_norm.weight") if cfg.qk_norm else None
+        self.gate_up = cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
         self.down = w[p + "mlp.down_proj.weight"]
+
+
+def _tensor(w: dict[str, Weight], name: str) -> torch.Tensor:
+    """A weight that is always dense (a norm, a bias)."""
+    t = w[name]
+    assert isinstance(t, torch.Tensor), f"{name} must be dense"
+    return t
+
+
+def _place(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
+    """On its device in `dtype`; a QuantWeight stays as it is only on the CPU in fp32."""
+    if isinstance(w, QuantWeight):
+        if device.type == "cpu" and dtype == torch.float32:
+            return w
+        w = w.dequantize()
+    return w.to(device=device, dtype=dtype)
 
 
 class Model:
@@ -109,7 +140,7 @@ class Model:
     def __init__(
         self,
         cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, Weight],
         device: torch.device,
         dtype: torch.dtype,
         max_positions: int,
@@ -117,13 +148,16 @@ class Model:
     ) -> None:
         self.cfg = cfg
         kernels = kernels or torch_kernels(cfg)
-        w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        w = {k: _place(v, device, dtype) for k, v in weights.items()}
+        self.weight_bytes = weight_bytes(w)  # what the weights take on the device
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = (
             w["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w["lm_head.weight"]
         )
-        self.final_norm = w["model.norm.weight"]
-        self.linear = pick_linear(device, dtype)
+        self.final_norm = _tensor(w, "model.norm.weight")
+        self.device, self.dtype = device, dtype
+        self.dense_linear = pick_linear(device, dtype)
+        self.linear = with_quantized(self.dense_linear)
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.rotary = kernels.rotary(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, dtype
@@ -147,7 +181,8 @@ class Model:
         eps = cfg.rms_norm_eps
         linear = self.linear
         self.attention.prepare(meta)
-        h = self.embed[input_ids]
+        embed = self.embed
+        h = embed.dequantize(input_ids) if isinstance(embed, QuantWeight) else embed[input_ids]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = self.norm(h, layer.input_norm, eps)
             qkv = linear(x, layer.qkv, layer.qkv_bias)

@@ -133,7 +133,7 @@ async def serve(config: ComputeConfig) -> None:
 
 def _load_engine(config: ComputeConfig) -> Engine:
     """Load and warm up the model (on the servicer's worker thread)."""
-    from compute_plane.loader import load_model  # heavy imports after the port is bound
+    from compute_plane.engine import load_for  # heavy imports after the port is bound
     from hetero_common.model_path import resolve_model_path
 
     started = time.perf_counter()
@@ -141,7 +141,7 @@ def _load_engine(config: ComputeConfig) -> Engine:
         import torch
 
         torch.set_num_threads(config.num_threads)
-    engine = Engine(config, load_model(resolve_model_path(config.model), progress=True))
+    engine = Engine(config, load_for(config, resolve_model_path(config.model), progress=True))
     engine.warmup()
     metrics.model_load_seconds.labels(**engine.metric_labels).set(time.perf_counter() - started)
     return engine

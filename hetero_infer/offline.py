@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from compute_plane.config import ComputeConfig
-from compute_plane.engine import Engine
-from compute_plane.loader import load_model
+from compute_plane.engine import Engine, load_for
 from compute_plane.requests import StepRejected
 from control_plane.compute_client import InProcessLink, StepFailed
 from control_plane.config import ControlConfig
@@ -62,7 +61,7 @@ class OfflineLLM:
         self.control_config = control or ControlConfig(model=str(path), metrics_port=-1)
         self.tokenizer = load_tokenizer(path)
         self.model_name = model_display_name(path)
-        self.engine = Engine(self.compute_config, load_model(path, progress=False))
+        self.engine = Engine(self.compute_config, load_for(self.compute_config, path))
         self.engine.warmup()
 
     def generate(

@@ -7,8 +7,7 @@ torch's OpenMP threads (ctypes releases the GIL during the call).
 Prefill chunks keep the torch path: a chunk's many query tokens amortise its gather.
 
 The kernel is plain C (fp32 only), compiled with the system's C compiler on first use
-and cached under `$HETERO_INFER_CACHE_DIR` (default `~/.cache/hetero-infer`), keyed by
-source, flags and CPU. `--attention-backend auto` picks it on a CPU for fp32 and falls
+and cached (compute_plane/native.py). `--attention-backend auto` picks it on a CPU for fp32 and falls
 back to the torch backend, with a warning, where no compiler is found.
 """
 
@@ -16,90 +15,24 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from compute_plane.attention.torch_backend import AttentionMetadata, TorchPagedAttention
+from compute_plane.native import KernelUnavailable, load_library
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parents[1] / "csrc" / "paged_attention_cpu.c"
-# -ffast-math lets the reductions and expf vectorise. It is given to the compile step only:
-# linking with it adds crtfastmath.o, which would switch the whole process (torch included)
-# to flush-to-zero on load.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c")
-LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
-
-
-class KernelUnavailable(RuntimeError):
-    """The C kernel could not be built or loaded here."""
-
-
-def _cpu_signature() -> bytes:
-    """What -march=native depends on: a cache shared by different CPUs must not mix them."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            for line in f:
-                if line.startswith((b"flags", b"Features", b"model name")):
-                    return line
-    except OSError:
-        pass
-    return os.uname().machine.encode()
-
-
-def _cache_dir() -> Path:
-    explicit = os.environ.get("HETERO_INFER_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hetero-infer"
+__all__ = ["CPUPagedAttention", "KernelUnavailable", "load_kernel"]
 
 
 @functools.cache
 def load_kernel() -> Callable[..., int]:
-    """The compiled kernel's entry point (built once per source/flags/CPU, then cached)."""
-    source = SOURCE.read_bytes()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise KernelUnavailable("no C compiler found (cc or gcc on PATH, or $CC)")
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
-    key = hashlib.sha256(source + flags + cc.encode() + _cpu_signature())
-    lib_path = _cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
-        obj = lib_path.with_suffix(f".{os.getpid()}.o")
-        try:
-            _run([cc, *COMPILE_FLAGS, str(SOURCE), "-o", str(obj)])
-            _run([cc, str(obj), "-o", str(tmp), *LINK_FLAGS])
-        finally:
-            obj.unlink(missing_ok=True)
-        os.replace(tmp, lib_path)  # atomic: concurrent builders each install a whole file
-        log.info("built the CPU attention kernel: %s", lib_path)
-    try:
-        fn = ctypes.CDLL(str(lib_path)).paged_decode_attention_f32
-    except OSError as e:
-        raise KernelUnavailable(f"loading {lib_path}: {e}") from e
+    """The compiled kernel's entry point (compute_plane.native builds and caches it)."""
+    fn = load_library("paged_attention_cpu").paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
     fn.restype = ctypes.c_int
     return fn
-
-
-def _run(cmd: list[str]) -> None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelUnavailable(f"{' '.join(cmd)}: {e}") from e
-    if done.returncode != 0:
-        raise KernelUnavailable(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
 
 
 class CPUPagedAttention(TorchPagedAttention):

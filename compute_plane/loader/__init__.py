@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
+from compute_plane.quant import QuantWeight
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model"]
 
@@ -19,17 +21,20 @@ class ModelLoadError(ValueError):
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face parameter names, in the requested dtype
+    # Hugging Face parameter names, in the requested dtype (or quantized: QuantWeight)
+    weights: dict[str, torch.Tensor | QuantWeight]
     source: str  # "hf" | "gguf"
     path: Path
 
 
 def load_model(
-    path: Path, dtype: torch.dtype = torch.float32, progress: bool = True
+    path: Path, dtype: torch.dtype = torch.float32, progress: bool = True, quantized: bool = False
 ) -> LoadedModel:
     """Load a model folder (config.json + safetensors) or a .gguf file.
 
     `progress`: a progress bar, drawn only where stderr is a terminal (not in pods).
+    `quantized`: a GGUF file's quantized matrices come back as QuantWeight, never
+    materialised in float (compute_plane.quant).
 
     The weights come back under Hugging Face names, exactly the set the model uses
     (`lm_head.weight` may be absent when `config.tie_word_embeddings`).
@@ -42,10 +47,11 @@ def load_model(
 
     path = Path(path)
     if path.is_dir():
-        config, weights = load_hf(path, dtype, progress)
+        config, dense = load_hf(path, dtype, progress)
+        weights: dict[str, torch.Tensor | QuantWeight] = dict(dense)
         source = "hf"
     elif path.is_file() and path.suffix == ".gguf":
-        config, weights = load_gguf(path, dtype, progress)
+        config, weights = load_gguf(path, dtype, progress, quantized)
         source = "gguf"
     else:
         raise ModelLoadError(
@@ -70,7 +76,7 @@ def _expected_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def _check_names(path: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def _check_names(path: Path, cfg: ModelConfig, weights: Mapping[str, object]) -> None:
     expected = _expected_names(cfg)
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     missing = [n for n in expected if n not in weights and n not in optional]

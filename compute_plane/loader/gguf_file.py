@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
+from compute_plane.quant import QuantWeight, from_gguf
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _LAYER_NAMES = {
@@ -72,16 +73,17 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(
-    path: Path, dtype: torch.dtype, progress: bool
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Metadata -> ModelConfig; every known tensor dequantised, oriented as in torch, cast."""
+    path: Path, dtype: torch.dtype, progress: bool, quantized: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
+    """Metadata -> ModelConfig; every known tensor oriented as in torch: dequantised and
+    cast, or with `quantized` a quantized matrix as a QuantWeight (compute_plane.quant)."""
     try:
         reader = _Reader(path)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
     config = read_config(path, reader)
     n_kv = config.num_kv_heads
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantWeight] = {}
     bar = tqdm(
         reader.tensors,
         desc=f"loading {path.name}",
@@ -96,9 +98,21 @@ def load_gguf(
                 raise UnsupportedModelError(f"{path}: rope_freqs.weight is not supported")
             raise UnsupportedModelError(f"{path}: unsupported GGUF tensor {t.name}")
         # GGUF lists dims fastest-first (ne order): reversed, they are torch's [out, in].
-        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
-        if config.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = unpermute_rotary(w, config.num_attention_heads if "attn_q" in t.name else n_kv)
+        shape = [int(d) for d in reversed(t.shape)]
+        rotary = config.architecture == "llama" and t.name.endswith(
+            ("attn_q.weight", "attn_k.weight")
+        )
+        heads = config.num_attention_heads if "attn_q" in t.name else n_kv
+        if quantized and len(shape) == 2:
+            q = from_gguf(t.data, t.tensor_type, *shape)
+            if q is not None:
+                weights[name] = (
+                    q.take_rows(unpermute_rotary(np.arange(shape[0]), heads)) if rotary else q
+                )
+                continue
+        w = dequantize(t.data, t.tensor_type).reshape(shape)
+        if rotary:
+            w = unpermute_rotary(w, heads)
         # Copies only unquantised tensors: they are views of the read-only mmap.
         weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(dtype)
     return config, weights

@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from compute_plane import native
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
-from compute_plane.attention import cpu as attention_cpu
 from compute_plane.attention.cpu import CPUPagedAttention, KernelUnavailable, load_kernel
 from compute_plane.attention.factory import resolve_attention_backend
 from tests.kernels.reference import PagedCache, attend
@@ -99,7 +99,7 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog) -> None:
     """auto warns and takes the torch backend; asking for `cpu` is a clear error."""
     monkeypatch.setenv("HETERO_INFER_CACHE_DIR", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    load_kernel.cache_clear()
+    _clear()
     try:
         with pytest.raises(KernelUnavailable, match="no-such-cc"):
             load_kernel()
@@ -109,19 +109,25 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog) -> None:
         with pytest.raises(ValueError, match=r"attention backend .cpu.*no-such-cc"):
             resolve_attention_backend("cpu", CPU, torch.float32)
     finally:
-        load_kernel.cache_clear()
+        _clear()
+
+
+def _clear() -> None:
+    load_kernel.cache_clear()
+    native.load_library.cache_clear()
 
 
 def test_compiler_errors_are_reported(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A source that does not compile names the command and the compiler's message."""
-    bad = tmp_path / "bad.c"
+    bad = tmp_path / "csrc" / "paged_attention_cpu.c"
+    bad.parent.mkdir()
     bad.write_text("int paged_decode_attention_f32( {\n")
     monkeypatch.setenv("HETERO_INFER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(attention_cpu, "SOURCE", bad)
-    load_kernel.cache_clear()
+    monkeypatch.setattr(native, "CSRC", bad.parent)
+    _clear()
     try:
-        with pytest.raises(KernelUnavailable, match=r"bad\.c.*failed"):
+        with pytest.raises(KernelUnavailable, match=r"csrc/paged_attention_cpu\.c.*failed"):
             load_kernel()
         assert not list((tmp_path / "cache").glob("*.so")), "no half-built library is kept"
     finally:
-        load_kernel.cache_clear()
+        _clear()

@@ -30,7 +30,7 @@ def _engine(path: Path, block_size: int = BLOCK) -> Engine:
     assert engine.describe().attention_backend == "cpu"
     # ... and the linear layers by oneDNN where this torch has it (so parity covers it).
     if torch.backends.mkldnn.is_available():
-        assert engine.model.linear is onednn_linear
+        assert engine.model.dense_linear is onednn_linear
     engine.capture_logits = True
     return engine
 

@@ -1,0 +1,204 @@
+/* Linear layers over weights that stay quantized in memory, for the CPU (quant.py).
+ *
+ * A decode step multiplies a few rows by every weight of the model: on a CPU it is
+ * bound by the bytes read, so reading 4- or 8-bit weights instead of fp32 is the
+ * largest speed lever there is. Two layouts, both in groups of 32 input channels:
+ *
+ *   q4: w[n][k] = s[n][g] * q + b[n][g], q in 0..15 (g = k / 32). Row n holds K/2 bytes,
+ *       16 per group: byte j of a group has element j in its low nibble and element
+ *       j + 16 in its high one (GGUF's Q4_0/Q4_1 order). sb[n][g] = {s, b}, fp32.
+ *       GGUF Q4_0 (b = -8 d), Q4_1 (b = m) and Q4_K (per 32-group d*sc, -dmin*m) are
+ *       exactly this.
+ *   q8: w[n][k] = s[n][g] * q, q int8. GGUF Q8_0 exactly; wider formats re-quantized.
+ *
+ * y[m][n] = sum_g s * dot(q_g, x_g) + b * sum(x_g): the per-group sums of x are taken
+ * once per call. Rows n are spread over OpenMP threads (torch's libgomp, as the
+ * attention kernel). With AVX2+FMA a group's 32 codes become four 8-float vectors that
+ * each row of x meets with FMAs into one vector accumulator (one horizontal sum per
+ * output); elsewhere plain C. For many rows (prefill) quant.py dequantizes a layer into fp32
+ * with the *_dequant functions and uses oneDNN's GEMM instead.
+ *
+ * Layouts are contiguous; x [M][K], y [M][N]; K is a multiple of 32. M <= MAX_ROWS.
+ * The linear functions return 0, 1 for a shape they do not take, 2 when out of memory.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#endif
+
+#define G 32
+#define MAX_ROWS 16
+
+/* The 32 weights of a q4 group as floats (s * q + b is applied by the caller). */
+static inline void unpack_q4(const uint8_t *p, float *out) {
+  for (int j = 0; j < 16; ++j) out[j] = (float)(p[j] & 0x0F);
+  for (int j = 0; j < 16; ++j) out[j + 16] = (float)(p[j] >> 4);
+}
+
+/* Per-group sums of x: xs[m][g]. */
+static void group_sums(const float *x, int64_t M, int64_t K, float *xs) {
+  const int64_t ng = K / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      const float *xg = x + m * K + g * G;
+      float s = 0.f;
+      for (int j = 0; j < G; ++j) s += xg[j];
+      xs[m * ng + g] = s;
+    }
+}
+
+#ifdef HAVE_AVX2
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+/* acc[m] += s * dot(w, x_m) for the 32 weights w0..w3 of one group, over M rows of x. */
+static inline void group_fma(__m256 w0, __m256 w1, __m256 w2, __m256 w3, float s,
+                             const float *x, int64_t K, int64_t M, __m256 *acc) {
+  const __m256 sv = _mm256_set1_ps(s);
+  for (int64_t m = 0; m < M; ++m) {
+    const float *xm = x + m * K;
+    __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xm));
+    p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), p);
+    p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), p);
+    p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), p);
+    acc[m] = _mm256_fmadd_ps(sv, p, acc[m]);
+  }
+}
+
+static inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+static inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+#endif
+
+/* One output channel n of a q4 weight over M rows of x: y[m] (stride N). */
+static void q4_row(const uint8_t *qn, const float *sbn, const float *x, const float *xs,
+                   int64_t M, int64_t K, float *acc_out) {
+  const int64_t ng = K / G;
+  float accb[MAX_ROWS];
+  for (int64_t m = 0; m < M; ++m) accb[m] = 0.f;
+#ifdef HAVE_AVX2
+  __m256 acc[MAX_ROWS];
+  for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)(qn + g * 16));
+    const __m128i lo = _mm_and_si128(raw, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    const __m256 w0 = u8_to_ps(lo), w1 = u8_to_ps(_mm_srli_si128(lo, 8));
+    const __m256 w2 = u8_to_ps(hi), w3 = u8_to_ps(_mm_srli_si128(hi, 8));
+    group_fma(w0, w1, w2, w3, sbn[2 * g], x + g * G, K, M, acc);
+    const float b = sbn[2 * g + 1];
+    for (int64_t m = 0; m < M; ++m) accb[m] += b * xs[m * ng + g];
+  }
+  for (int64_t m = 0; m < M; ++m) acc_out[m] = hsum(acc[m]) + accb[m];
+#else
+  float w[G];
+  for (int64_t g = 0; g < ng; ++g) {
+    unpack_q4(qn + g * 16, w);
+    const float s = sbn[2 * g], b = sbn[2 * g + 1];
+    for (int64_t m = 0; m < M; ++m) {
+      const float *xg = x + m * K + g * G;
+      float d = 0.f;
+      for (int j = 0; j < G; ++j) d += w[j] * xg[j];
+      accb[m] += s * d + b * xs[m * ng + g];
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) acc_out[m] = accb[m];
+#endif
+}
+
+static void q8_row(const int8_t *qn, const float *sn, const float *x, int64_t M, int64_t K,
+                   float *acc_out) {
+  const int64_t ng = K / G;
+#ifdef HAVE_AVX2
+  __m256 acc[MAX_ROWS];
+  for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)(qn + g * G));
+    const __m128i b = _mm_loadu_si128((const __m128i *)(qn + g * G + 16));
+    const __m256 w0 = i8_to_ps(a), w1 = i8_to_ps(_mm_srli_si128(a, 8));
+    const __m256 w2 = i8_to_ps(b), w3 = i8_to_ps(_mm_srli_si128(b, 8));
+    group_fma(w0, w1, w2, w3, sn[g], x + g * G, K, M, acc);
+  }
+  for (int64_t m = 0; m < M; ++m) acc_out[m] = hsum(acc[m]);
+#else
+  for (int64_t m = 0; m < M; ++m) acc_out[m] = 0.f;
+  for (int64_t g = 0; g < ng; ++g)
+    for (int64_t m = 0; m < M; ++m) {
+      const float *xg = x + m * K + g * G;
+      float d = 0.f;
+      for (int j = 0; j < G; ++j) d += (float)qn[g * G + j] * xg[j];
+      acc_out[m] += sn[g] * d;
+    }
+#endif
+}
+
+int q4_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *sb,
+                  const float *bias, float *y, int64_t N) {
+  if (M > MAX_ROWS || K % G) return 1;
+  const int64_t ng = K / G;
+  float *xs = malloc(sizeof(float) * M * ng);
+  if (!xs) return 2;
+  group_sums(x, M, K, xs);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float acc[MAX_ROWS];
+    q4_row(q + n * (K / 2), sb + n * ng * 2, x, xs, M, K, acc);
+    const float bn = bias ? bias[n] : 0.f;
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = acc[m] + bn;
+  }
+  free(xs);
+  return 0;
+}
+
+int q8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
+                  const float *bias, float *y, int64_t N) {
+  if (M > MAX_ROWS || K % G) return 1;
+  const int64_t ng = K / G;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float acc[MAX_ROWS];
+    q8_row(q + n * K, s + n * ng, x, M, K, acc);
+    const float bn = bias ? bias[n] : 0.f;
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = acc[m] + bn;
+  }
+  return 0;
+}
+
+/* Rows [r0, r0 + R) of a q4 weight as fp32, out [R][K] (the prefill path, embeddings). */
+void q4_dequant_f32(const uint8_t *q, const float *sb, int64_t K, const int64_t *rows,
+                    int64_t R, float *out) {
+  const int64_t ng = K / G;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = rows[r];
+    const uint8_t *qn = q + n * (K / 2);
+    const float *sbn = sb + n * ng * 2;
+    float *o = out + r * K;
+    for (int64_t g = 0; g < ng; ++g) {
+      unpack_q4(qn + g * (G / 2), o + g * G);
+      const float s = sbn[2 * g], b = sbn[2 * g + 1];
+      for (int j = 0; j < G; ++j) o[g * G + j] = s * o[g * G + j] + b;
+    }
+  }
+}
+
+void q8_dequant_f32(const int8_t *q, const float *s, int64_t K, const int64_t *rows, int64_t R,
+                    float *out) {
+  const int64_t ng = K / G;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = rows[r];
+    const int8_t *qn = q + n * K;
+    const float *sn = s + n * ng;
+    float *o = out + r * K;
+    for (int64_t g = 0; g < ng; ++g)
+      for (int j = 0; j < G; ++j) o[g * G + j] = sn[g] * (float)qn[g * G + j];
+  }
+}

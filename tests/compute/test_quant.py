@@ -1,0 +1,149 @@
+"""Quantized weights on the CPU (compute_plane/quant.py, csrc/quant_linear_cpu.c):
+GGUF blocks converted exactly (gguf-py's own dequantisation is the reference), the C
+kernels against dense matmuls, and the bundled model quantized against it dequantized."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize, quantize
+
+from compute_plane.quant import QuantWeight, cat, from_gguf, prepare, quantize_q8
+
+RNG = np.random.default_rng(0)
+
+
+def _random_q4_k(n: int, k: int) -> np.ndarray:
+    """Raw Q4_K blocks (gguf-py cannot make them): random codes, scales and mins."""
+    blocks = RNG.integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    heads = RNG.uniform(0.001, 0.05, size=(n * k // 256, 2)).astype(np.float16)
+    blocks[:, :4] = heads.view(np.uint8)
+    return blocks.reshape(n, k // 256 * 144)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K])
+def test_gguf_blocks_convert_exactly(qtype: QT) -> None:
+    n, k = 48, 512
+    if qtype == QT.Q4_K:
+        data = _random_q4_k(n, k)
+    else:
+        data = quantize(RNG.standard_normal((n, k)).astype(np.float32), qtype)
+    q = from_gguf(data, qtype, n, k)
+    assert q is not None and q.kind == ("q8" if qtype == QT.Q8_0 else "q4")
+    expected = dequantize(data, qtype).reshape(n, k)
+    assert np.array_equal(q.dequantize().numpy(), expected.astype(np.float32))
+
+
+def test_other_formats_are_requantized_to_int8() -> None:
+    n, k = 16, 256
+    data = quantize(RNG.standard_normal((n, k)).astype(np.float32), QT.Q5_0)
+    q = from_gguf(data, QT.Q5_0, n, k)
+    assert q is not None and q.kind == "q8"
+    expected = dequantize(data, QT.Q5_0).reshape(n, k)
+    err = np.abs(q.dequantize().numpy() - expected).max()
+    assert err <= np.abs(expected).max() / 127  # half a step of int8 per group, at most
+    assert from_gguf(np.zeros((n, k), np.float32), QT.F32, n, k) is None
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_linear_matches_the_dense_weight(kind: str, rows: int) -> None:
+    """The C kernel (up to 8 rows) and dequantize + GEMM (more) against x @ w.T + b."""
+    n, k = 72, 320
+    if kind == "q4":
+        codes = torch.from_numpy(RNG.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
+        q = QuantWeight("q4", codes, torch.randn(n, k // 32, 2) * 0.05)
+    else:
+        q = quantize_q8(torch.randn(n, k))
+    dense = q.dequantize()
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    expected = x.double() @ dense.double().T + bias.double()
+    got = q.linear(x, bias)
+    assert got.shape == (rows, n)
+    assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(q.linear(x[None], None)[0].double(), expected - bias.double(), atol=1e-4)
+
+
+def test_rows_fuse_and_look_up() -> None:
+    a, b = quantize_q8(torch.randn(8, 64)), quantize_q8(torch.randn(4, 64))
+    fused = cat([a, b])
+    assert isinstance(fused, QuantWeight) and fused.shape == (12, 64)
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    ids = torch.tensor([11, 0, 5])
+    assert torch.equal(fused.dequantize(ids), fused.dequantize()[ids])
+    mixed = cat([a, torch.randn(4, 64)])  # a dense part: all dense
+    assert isinstance(mixed, torch.Tensor) and mixed.shape == (12, 64)
+
+
+def test_prepare_modes() -> None:
+    weights = {"m": torch.randn(8, 64), "norm": torch.randn(64), "q": quantize_q8(torch.randn(8, 64))}
+    dense = prepare(weights, None)
+    assert all(isinstance(w, torch.Tensor) for w in dense.values())
+    int8 = prepare(weights, "int8")
+    assert isinstance(int8["m"], QuantWeight) and isinstance(int8["norm"], torch.Tensor)
+    assert prepare(weights, "gguf")["m"] is weights["m"]
+
+
+# ------------------------------------------------------- the bundled model
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at",
+    "The largest planet in the solar system is",
+    "To make a cup of tea, first",
+    "import numpy as np\n",
+    "In 1492, Columbus",
+    "The quick brown fox",
+    "Photosynthesis is the process by which",
+    "My favourite book is",
+    "SELECT name FROM users WHERE",
+    "The speed of light is",
+    "A haiku about autumn:",
+    "The French word for cat is",
+    "Machine learning is",
+    "Dear Sir or Madam,",
+    "1, 1, 2, 3, 5, 8,",
+    "The opposite of hot is",
+]
+TEXT = (
+    "The sun rose over the quiet harbour, and the fishermen pushed their boats into the "
+    "grey water. Gulls followed them out past the lighthouse, calling to each other."
+)
+
+
+def _run(path: Path, quantization: str) -> tuple[list[list[int]], float, int]:
+    """Greedy 16 tokens for each prompt, mean log-likelihood of TEXT, weight bytes."""
+    from compute_plane.config import ComputeConfig
+    from hetero_infer.offline import OfflineLLM
+    from hetero_proto import control_pb2 as pb
+
+    config = ComputeConfig(
+        model=str(path), metrics_port=-1, quantization=quantization, kv_cache_bytes=32 << 20
+    )
+    llm = OfflineLLM(str(path), compute=config)
+    params = [pb.GenerationParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
+    tokens = [c.token_ids[0] for c in llm.generate(PROMPTS, params)]
+    ids = llm.tokenizer.encode(TEXT)
+    llm.engine.capture_logits = True
+    llm.generate([ids], [pb.GenerationParams(max_tokens=1, temperature=0.0)])
+    logits = torch.cat(next(iter(llm.engine.captured_logits.values())))[: len(ids) - 1]
+    logp = torch.log_softmax(logits.double(), -1)[torch.arange(len(ids) - 1), ids[1:]]
+    return tokens, float(logp.mean()), llm.engine.describe().weight_bytes
+
+
+@pytest.mark.slow
+def test_bundled_model_quantized_matches_dequantized(smollm2_path: Path) -> None:
+    q_tokens, q_ll, q_bytes = _run(smollm2_path, "auto")
+    d_tokens, d_ll, d_bytes = _run(smollm2_path, "none")
+    same = sum(a == b for qa, da in zip(q_tokens, d_tokens, strict=True) for a, b in zip(qa, da))
+    total = sum(len(t) for t in d_tokens)
+    assert same >= 0.9 * total, (same, total)
+    assert math.isclose(q_ll, d_ll, rel_tol=0.02), (q_ll, d_ll)
+    assert d_bytes >= 3.5 * q_bytes, (d_bytes, q_bytes)
