@@ -40,10 +40,10 @@ class GatewayConfig(ServerConfig):
         metadata={"help": "seconds the request body may pause between reads (then HTTP 408)"},
     )
     max_idle_connections_per_ip: int = field(
-        default=64,
+        default=256,
         metadata={
-            "help": "connections one client address may hold waiting for headers; "
-            "past it, its oldest such connection is closed"
+            "help": "connections one client address may hold waiting for headers; past it, "
+            "its oldest one that has waited a second or more is closed"
         },
     )
     control_tls_ca: str | None = field(

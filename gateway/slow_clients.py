@@ -4,7 +4,9 @@ uvicorn times out idle keep-alive connections, but not a client that sends its h
 a byte at a time, or never finishes them (slowloris): any byte cancels the keep-alive
 timer. `guarded_h11` is uvicorn's h11 protocol with a deadline for each request's
 headers, from the connection's start or the previous response's end, and a cap per
-client address on connections waiting for headers (the oldest is closed past it).
+client address on connections waiting for headers: past it, the oldest of them that
+has waited a second or more is closed (a burst of new connections is not idle: those
+are read within milliseconds, however many there are).
 The body has its own read timeout (gateway.body_limit).
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -26,6 +29,7 @@ def guarded_h11(header_timeout: float, max_idle_per_ip: int) -> type[H11Protocol
 
     class GuardedH11(H11Protocol):
         _timer: asyncio.TimerHandle | None = None
+        _waiting_since = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -52,10 +56,15 @@ def guarded_h11(header_timeout: float, max_idle_per_ip: int) -> type[H11Protocol
             if self._timer is not None:
                 self._timer.cancel()
             self._timer = self.loop.call_later(header_timeout, self._headers_late)
+            self._waiting_since = now = time.monotonic()
             mine = idle.setdefault(self._ip(), OrderedDict())
             mine[self] = None
+            grace = min(1.0, header_timeout / 2)
             while len(mine) > max_idle_per_ip:
-                oldest, _ = mine.popitem(last=False)
+                oldest = next(iter(mine))
+                if now - oldest._waiting_since < grace:
+                    break
+                mine.pop(oldest)
                 oldest._close("too many idle connections from this address")
 
         def _got_headers(self) -> None:
