@@ -260,7 +260,9 @@ def summarize(
 
 
 @contextlib.contextmanager
-def launched(model: str, control_args: tuple[str, ...] = ()) -> Iterator[tuple[str, str]]:
+def launched(
+    model: str, control_args: tuple[str, ...] = (), compute_args: tuple[str, ...] = ()
+) -> Iterator[tuple[str, str]]:
     """Compute + control + gateway on loopback; yields (gateway URL, control address)."""
     from hetero_infer.local import child, free_port, stop_process, wait_http_ready
 
@@ -268,6 +270,7 @@ def launched(model: str, control_args: tuple[str, ...] = ()) -> Iterator[tuple[s
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
     quiet = ("--log-level", "WARNING")
     k = [*quiet, "compute-plane", "--model", model, "--port", str(kport), "--metrics-port", "-1"]
+    k += compute_args
     c = [*quiet, "control-plane", "--model", model, "--port", str(cport), "--compute", compute]
     c += ["--metrics-port", "-1", *control_args]
     with child(k, compute), child(c, control):

@@ -81,7 +81,11 @@ def test_rows_fuse_and_look_up() -> None:
 
 
 def test_prepare_modes() -> None:
-    weights = {"m": torch.randn(8, 64), "norm": torch.randn(64), "q": quantize_q8(torch.randn(8, 64))}
+    weights = {
+        "m": torch.randn(8, 64),
+        "norm": torch.randn(64),
+        "q": quantize_q8(torch.randn(8, 64)),
+    }
     dense = prepare(weights, None)
     assert all(isinstance(w, torch.Tensor) for w in dense.values())
     int8 = prepare(weights, "int8")
@@ -142,7 +146,11 @@ def _run(path: Path, quantization: str) -> tuple[list[list[int]], float, int]:
 def test_bundled_model_quantized_matches_dequantized(smollm2_path: Path) -> None:
     q_tokens, q_ll, q_bytes = _run(smollm2_path, "auto")
     d_tokens, d_ll, d_bytes = _run(smollm2_path, "none")
-    same = sum(a == b for qa, da in zip(q_tokens, d_tokens, strict=True) for a, b in zip(qa, da))
+    same = sum(
+        a == b
+        for qa, da in zip(q_tokens, d_tokens, strict=True)
+        for a, b in zip(qa, da, strict=True)
+    )
     total = sum(len(t) for t in d_tokens)
     assert same >= 0.9 * total, (same, total)
     assert math.isclose(q_ll, d_ll, rel_tol=0.02), (q_ll, d_ll)
