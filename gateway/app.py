@@ -141,7 +141,10 @@ async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
 
 
 async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-    err = e.errors()[0]
+    errors = list(e.errors())
+    # A union field reports each member's complaint; a value's own (a bad string in a
+    # list, a range) says more than "should be a valid string" from another member.
+    err = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0])
     if err.get("type") == "json_invalid":  # its loc is a byte offset, not a field
         reason = (err.get("ctx") or {}).get("error", "")
         return APIError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()

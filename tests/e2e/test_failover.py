@@ -118,6 +118,7 @@ def test_gateway_reopens_its_call_after_a_control_plane_crash() -> None:
         started = time.monotonic()
         down = httpx.post(url + "/v1/completions", json=short, timeout=120)
         assert down.status_code == 503, down.text
+        assert "127.0.0.1" not in down.text and control not in rest  # no internal address
         assert time.monotonic() - started < 10
 
         with child(control_cmd, control):

@@ -1,0 +1,71 @@
+"""Every error the gateway returns is OpenAI's error object, whatever broke: the route,
+the method, the bytes, the JSON, a type, a lone surrogate (no control plane needed:
+these are refused before any is asked)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    return TestClient(create_app(GatewayConfig(port=8000, control="127.0.0.1:9")))
+
+
+def _error(r: object, status: int) -> dict[str, object]:
+    assert r.status_code == status, r.text  # type: ignore[attr-defined]
+    body = r.json()  # type: ignore[attr-defined]
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]  # type: ignore[no-any-return]
+
+
+def test_unknown_route_and_wrong_method(client: TestClient) -> None:
+    assert _error(client.post("/v1/nope", json={}), 404)["code"] == "not_found"
+    r = client.get("/v1/completions")
+    assert _error(r, 405)["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'\xff\xfe{"model": "m"}', b"[" * 10_000 + b"]" * 10_000, b'{"model": 9', b"{,}"],
+    ids=["invalid-utf8", "deep", "truncated", "malformed"],
+)
+def test_unreadable_bodies(client: TestClient, raw: bytes) -> None:
+    err = _error(client.post("/v1/completions", content=raw, headers=JSON), 400)
+    assert err["param"] is None  # never a byte offset
+    assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", "16"), ("n", "2"), ("stream", "yes"), ("seed", True), ("temperature", "0")],
+)
+def test_types_are_strict(client: TestClient, field: str, value: object) -> None:
+    body = {"model": "m", "prompt": "hi", field: value}
+    assert _error(client.post("/v1/completions", json=body), 400)["param"] == field
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("completions", '{"model": "m", "prompt": "\\ud800"}', "prompt"),
+        ("completions", '{"model": "\\udfff", "prompt": "a"}', "model"),
+        ("completions", '{"model": "m", "prompt": "a", "stop": ["\\ud800x"]}', "stop"),
+        (
+            "chat/completions",
+            '{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+            "messages.0.content",
+        ),
+    ],
+)
+def test_lone_surrogates_are_a_400(client: TestClient, route: str, body: str, param: str) -> None:
+    err = _error(client.post(f"/v1/{route}", content=body.encode(), headers=JSON), 400)
+    assert str(err["param"]).startswith(param) and "surrogate" in str(err["message"])
+    # The connection stays usable (no dropped keep-alive): the next request is answered.
+    assert client.get("/health").status_code == 200
