@@ -79,7 +79,11 @@ class ComputeConfig(GrpcServerConfig):
         },
     )
     num_threads: int | None = field(
-        default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
+        default=None,
+        metadata={
+            "help": "worker threads of every kernel (default: the CPUs this process may use: "
+            "its affinity, capped by its cgroup CPU quota)"
+        },
     )
 
     def __post_init__(self) -> None:

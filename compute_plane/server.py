@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from compute_plane import metrics
+from compute_plane import metrics, threads
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine
 from compute_plane.requests import StepRejected
@@ -137,10 +137,7 @@ def _load_engine(config: ComputeConfig) -> Engine:
     from hetero_common.model_path import resolve_model_path
 
     started = time.perf_counter()
-    if config.num_threads:
-        import torch
-
-        torch.set_num_threads(config.num_threads)
+    threads.apply(config.num_threads or threads.usable_cpus())
     engine = Engine(config, load_for(config, resolve_model_path(config.model), progress=True))
     engine.warmup()
     metrics.model_load_seconds.labels(**engine.metric_labels).set(time.perf_counter() - started)

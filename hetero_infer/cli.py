@@ -13,10 +13,14 @@ from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
 
 
 def _compute_plane(args: argparse.Namespace) -> int:
+    from compute_plane import threads
     from compute_plane.config import ComputeConfig
+
+    config = config_from_args(ComputeConfig, args)
+    threads.configure(config.num_threads)  # before torch loads libgomp
     from compute_plane.server import serve
 
-    asyncio.run(serve(config_from_args(ComputeConfig, args)))
+    asyncio.run(serve(config))
     return 0
 
 

@@ -89,7 +89,7 @@ def test_the_poison_request_is_a_400_at_once(stack: FullStack, model: str) -> No
 WIDE_INT = st.one_of(
     st.integers(min_value=-(2**63), max_value=2**63 - 1),
     st.integers(min_value=-(2**70), max_value=2**70),
-    st.integers(min_value=-3, max_value=40),
+    st.integers(min_value=-3, max_value=8),  # small: what is accepted stays cheap
 )
 TEXT = st.text(  # any code point, lone surrogates and control characters included
     alphabet=st.characters(min_codepoint=0, max_codepoint=0x10FFFF, exclude_categories=()),
