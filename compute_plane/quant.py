@@ -29,7 +29,7 @@ from compute_plane.native import KernelUnavailable, load_library
 log = logging.getLogger(__name__)
 
 GROUP = 32
-MAX_KERNEL_ROWS = 8  # above this many rows, dequantize + dense GEMM is faster
+MAX_KERNEL_ROWS = 64  # above this many rows (prefill), dequantize + dense GEMM is faster
 QUANTIZATIONS = ("auto", "none", "int8")
 
 

@@ -12,7 +12,9 @@
  *   q8: w[n][k] = s[n][g] * q, q int8. GGUF Q8_0 exactly; wider formats re-quantized.
  *
  * y[m][n] = sum_g s * dot(q_g, x_g) + b * sum(x_g): the per-group sums of x are taken
- * once per call. Rows n are spread over OpenMP threads (torch's libgomp, as the
+ * once per call. Everything is in fp32: the result is the dequantized weight's, to
+ * rounding (llama.cpp rounds x to int8 for its integer dot products; that moves a greedy
+ * continuation off the fp32 one within a few dozen tokens). Rows n are spread over OpenMP threads (torch's libgomp, as the
  * attention kernel). With AVX2+FMA a group's 32 codes become four 8-float vectors that
  * each row of x meets with FMAs into one vector accumulator (one horizontal sum per
  * output); elsewhere plain C. For many rows (prefill) quant.py dequantizes a layer into fp32
@@ -30,7 +32,8 @@
 #endif
 
 #define G 32
-#define MAX_ROWS 16
+#define CHUNK 16    /* rows of x one pass over a weight row serves (accumulators) */
+#define MAX_ROWS 64 /* quant.py dequantizes + GEMMs above this */
 
 /* The 32 weights of a q4 group as floats (s * q + b is applied by the caller). */
 static inline void unpack_q4(const uint8_t *p, float *out) {
@@ -58,47 +61,17 @@ static inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* acc[m] += s * dot(w, x_m) for the 32 weights w0..w3 of one group, over M rows of x. */
-static inline void group_fma(__m256 w0, __m256 w1, __m256 w2, __m256 w3, float s,
-                             const float *x, int64_t K, int64_t M, __m256 *acc) {
-  const __m256 sv = _mm256_set1_ps(s);
-  for (int64_t m = 0; m < M; ++m) {
-    const float *xm = x + m * K;
-    __m256 p = _mm256_mul_ps(w0, _mm256_loadu_ps(xm));
-    p = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), p);
-    p = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xm + 16), p);
-    p = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xm + 24), p);
-    acc[m] = _mm256_fmadd_ps(sv, p, acc[m]);
-  }
-}
-
 static inline __m256 u8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 static inline __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 #endif
 
-/* One output channel n of a q4 weight over M rows of x: y[m] (stride N). */
+#ifndef HAVE_AVX2
+/* One output channel n of a q4 weight over M rows of x: acc_out[m]; plain C. */
 static void q4_row(const uint8_t *qn, const float *sbn, const float *x, const float *xs,
                    int64_t M, int64_t K, float *acc_out) {
   const int64_t ng = K / G;
-  float accb[MAX_ROWS];
-  for (int64_t m = 0; m < M; ++m) accb[m] = 0.f;
-#ifdef HAVE_AVX2
-  __m256 acc[MAX_ROWS];
-  for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t g = 0; g < ng; ++g) {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)(qn + g * 16));
-    const __m128i lo = _mm_and_si128(raw, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    const __m256 w0 = u8_to_ps(lo), w1 = u8_to_ps(_mm_srli_si128(lo, 8));
-    const __m256 w2 = u8_to_ps(hi), w3 = u8_to_ps(_mm_srli_si128(hi, 8));
-    group_fma(w0, w1, w2, w3, sbn[2 * g], x + g * G, K, M, acc);
-    const float b = sbn[2 * g + 1];
-    for (int64_t m = 0; m < M; ++m) accb[m] += b * xs[m * ng + g];
-  }
-  for (int64_t m = 0; m < M; ++m) acc_out[m] = hsum(acc[m]) + accb[m];
-#else
   float w[G];
+  for (int64_t m = 0; m < M; ++m) acc_out[m] = 0.f;
   for (int64_t g = 0; g < ng; ++g) {
     unpack_q4(qn + g * 16, w);
     const float s = sbn[2 * g], b = sbn[2 * g + 1];
@@ -106,28 +79,100 @@ static void q4_row(const uint8_t *qn, const float *sbn, const float *x, const fl
       const float *xg = x + m * K + g * G;
       float d = 0.f;
       for (int j = 0; j < G; ++j) d += w[j] * xg[j];
-      accb[m] += s * d + b * xs[m * ng + g];
+      acc_out[m] += s * d + b * xs[m * ng + g];
     }
   }
-  for (int64_t m = 0; m < M; ++m) acc_out[m] = accb[m];
+}
 #endif
+
+#ifdef HAVE_AVX2
+/* The 32 codes of group g as four float vectors. */
+static inline void q4_group(const uint8_t *qn, int64_t g, __m256 *w) {
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i raw = _mm_loadu_si128((const __m128i *)(qn + g * 16));
+  const __m128i lo = _mm_and_si128(raw, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  w[0] = u8_to_ps(lo), w[1] = u8_to_ps(_mm_srli_si128(lo, 8));
+  w[2] = u8_to_ps(hi), w[3] = u8_to_ps(_mm_srli_si128(hi, 8));
 }
 
-static void q8_row(const int8_t *qn, const float *sn, const float *x, int64_t M, int64_t K,
-                   float *acc_out) {
+static inline __m256 dot_group(const __m256 *w, const float *xg) {
+  __m256 p = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
+  p = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), p);
+  p = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), p);
+  return _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), p);
+}
+
+/* MB (1..4, a constant once inlined) rows of x against one q4 output channel, with the
+ * accumulators in registers: no loop-carried trip through memory per group. */
+static inline __attribute__((always_inline)) void q4_block(
+    const uint8_t *qn, const float *sbn, const float *x, const float *xs, int64_t K,
+    const int MB, float *out) {
   const int64_t ng = K / G;
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  float accb[4] = {0.f, 0.f, 0.f, 0.f};
+  __m256 w[4];
+  for (int64_t g = 0; g < ng; ++g) {
+    q4_group(qn, g, w);
+    const __m256 sv = _mm256_set1_ps(sbn[2 * g]);
+    const float b = sbn[2 * g + 1];
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm256_fmadd_ps(sv, dot_group(w, x + m * K + g * G), acc[m]);
+      accb[m] += b * xs[m * ng + g];
+    }
+  }
+  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]) + accb[m];
+}
+
+static void q4_row_avx2(const uint8_t *qn, const float *sbn, const float *x, const float *xs,
+                        int64_t M, int64_t K, float *out) {
+  const int64_t ng = K / G;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) q4_block(qn, sbn, x + m * K, xs + m * ng, K, 4, out + m);
+  switch (M - m) {
+    case 3: q4_block(qn, sbn, x + m * K, xs + m * ng, K, 3, out + m); break;
+    case 2: q4_block(qn, sbn, x + m * K, xs + m * ng, K, 2, out + m); break;
+    case 1: q4_block(qn, sbn, x + m * K, xs + m * ng, K, 1, out + m); break;
+    default: break;
+  }
+}
+#endif
+
 #ifdef HAVE_AVX2
-  __m256 acc[MAX_ROWS];
-  for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+static inline __attribute__((always_inline)) void q8_block(
+    const int8_t *qn, const float *sn, const float *x, int64_t K, const int MB, float *out) {
+  const int64_t ng = K / G;
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  __m256 w[4];
   for (int64_t g = 0; g < ng; ++g) {
     const __m128i a = _mm_loadu_si128((const __m128i *)(qn + g * G));
     const __m128i b = _mm_loadu_si128((const __m128i *)(qn + g * G + 16));
-    const __m256 w0 = i8_to_ps(a), w1 = i8_to_ps(_mm_srli_si128(a, 8));
-    const __m256 w2 = i8_to_ps(b), w3 = i8_to_ps(_mm_srli_si128(b, 8));
-    group_fma(w0, w1, w2, w3, sn[g], x + g * G, K, M, acc);
+    w[0] = i8_to_ps(a), w[1] = i8_to_ps(_mm_srli_si128(a, 8));
+    w[2] = i8_to_ps(b), w[3] = i8_to_ps(_mm_srli_si128(b, 8));
+    const __m256 sv = _mm256_set1_ps(sn[g]);
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm256_fmadd_ps(sv, dot_group(w, x + m * K + g * G), acc[m]);
   }
-  for (int64_t m = 0; m < M; ++m) acc_out[m] = hsum(acc[m]);
+  for (int m = 0; m < MB; ++m) out[m] = hsum(acc[m]);
+}
+#endif
+
+/* One output channel n of a q8 weight over M rows of x: acc_out[m]. */
+static void q8_row(const int8_t *qn, const float *sn, const float *x, int64_t M, int64_t K,
+                   float *acc_out) {
+#ifdef HAVE_AVX2
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) q8_block(qn, sn, x + m * K, K, 4, acc_out + m);
+  switch (M - m) {
+    case 3: q8_block(qn, sn, x + m * K, K, 3, acc_out + m); break;
+    case 2: q8_block(qn, sn, x + m * K, K, 2, acc_out + m); break;
+    case 1: q8_block(qn, sn, x + m * K, K, 1, acc_out + m); break;
+    default: break;
+  }
 #else
+  const int64_t ng = K / G;
   for (int64_t m = 0; m < M; ++m) acc_out[m] = 0.f;
   for (int64_t g = 0; g < ng; ++g)
     for (int64_t m = 0; m < M; ++m) {
@@ -148,10 +193,17 @@ int q4_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
   group_sums(x, M, K, xs);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
-    float acc[MAX_ROWS];
-    q4_row(q + n * (K / 2), sb + n * ng * 2, x, xs, M, K, acc);
     const float bn = bias ? bias[n] : 0.f;
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = acc[m] + bn;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {  /* the row's codes stay in L1 */
+      const int64_t mc = M - m0 < CHUNK ? M - m0 : CHUNK;
+      float acc[CHUNK];
+#ifdef HAVE_AVX2
+      q4_row_avx2(q + n * (K / 2), sb + n * ng * 2, x + m0 * K, xs + m0 * ng, mc, K, acc);
+#else
+      q4_row(q + n * (K / 2), sb + n * ng * 2, x + m0 * K, xs + m0 * ng, mc, K, acc);
+#endif
+      for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = acc[m] + bn;
+    }
   }
   free(xs);
   return 0;
@@ -163,10 +215,13 @@ int q8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const f
   const int64_t ng = K / G;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
-    float acc[MAX_ROWS];
-    q8_row(q + n * K, s + n * ng, x, M, K, acc);
     const float bn = bias ? bias[n] : 0.f;
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = acc[m] + bn;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
+      const int64_t mc = M - m0 < CHUNK ? M - m0 : CHUNK;
+      float acc[CHUNK];
+      q8_row(q + n * K, s + n * ng, x + m0 * K, mc, K, acc);
+      for (int64_t m = 0; m < mc; ++m) y[(m0 + m) * N + n] = acc[m] + bn;
+    }
   }
   return 0;
 }

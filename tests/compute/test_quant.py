@@ -51,7 +51,7 @@ def test_other_formats_are_requantized_to_int8() -> None:
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 64, 65])
 def test_linear_matches_the_dense_weight(kind: str, rows: int) -> None:
     """The C kernel (up to 8 rows) and dequantize + GEMM (more) against x @ w.T + b."""
     n, k = 72, 320
