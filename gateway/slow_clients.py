@@ -24,68 +24,72 @@ log = logging.getLogger(__name__)
 
 def guarded_h11(header_timeout: float, max_idle_per_ip: int) -> type[H11Protocol]:
     """uvicorn's `http=` protocol class with these limits."""
-    # Per client address: its connections waiting for headers, oldest first.
-    idle: dict[str, OrderedDict[GuardedH11, None]] = {}
+    limits = {"header_timeout": header_timeout, "max_idle_per_ip": max_idle_per_ip, "idle": {}}
+    return type("GuardedH11", (GuardedH11,), limits)
 
-    class GuardedH11(H11Protocol):
-        _timer: asyncio.TimerHandle | None = None
-        _waiting_since = 0.0
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+class GuardedH11(H11Protocol):
+    header_timeout = 10.0
+    max_idle_per_ip = 256
+    # Per client address: its connections waiting for headers, oldest first (one dict
+    # per server, set by guarded_h11).
+    idle: dict[str, OrderedDict[GuardedH11, None]] = {}  # noqa: RUF012
+    _timer: asyncio.TimerHandle | None = None
+    _waiting_since = 0.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
             self._await_headers()
 
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._await_headers()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not None and not self.cycle.response_complete:
-                self._got_headers()
-
-        def connection_lost(self, exc: Exception | None) -> None:
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
             self._got_headers()
-            super().connection_lost(exc)
 
-        def _ip(self) -> str:
-            return self.client[0] if self.client else ""
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._got_headers()
+        super().connection_lost(exc)
 
-        def _await_headers(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self.loop.call_later(header_timeout, self._headers_late)
-            self._waiting_since = now = time.monotonic()
-            mine = idle.setdefault(self._ip(), OrderedDict())
-            mine[self] = None
-            grace = min(1.0, header_timeout / 2)
-            while len(mine) > max_idle_per_ip:
-                oldest = next(iter(mine))
-                if now - oldest._waiting_since < grace:
-                    break
-                mine.pop(oldest)
-                oldest._close("too many idle connections from this address")
+    def _ip(self) -> str:
+        return self.client[0] if self.client else ""
 
-        def _got_headers(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            mine = idle.get(self._ip())
-            if mine is not None:
-                mine.pop(self, None)
-                if not mine:
-                    del idle[self._ip()]
+    def _await_headers(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(self.header_timeout, self._headers_late)
+        self._waiting_since = now = time.monotonic()
+        mine = self.idle.setdefault(self._ip(), OrderedDict())
+        mine[self] = None
+        grace = min(1.0, self.header_timeout / 2)
+        while len(mine) > self.max_idle_per_ip:
+            oldest = next(iter(mine))
+            if now - oldest._waiting_since < grace:
+                break
+            mine.pop(oldest)
+            oldest._close("too many idle connections from this address")
 
-        def _headers_late(self) -> None:
+    def _got_headers(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
             self._timer = None
-            if self.cycle is None or self.cycle.response_complete:
-                self._close(f"no request headers within {header_timeout:g} s")
+        mine = self.idle.get(self._ip())
+        if mine is not None:
+            mine.pop(self, None)
+            if not mine:
+                del self.idle[self._ip()]
 
-        def _close(self, why: str) -> None:
-            if not self.transport.is_closing():
-                log.debug("closing a connection from %s: %s", self._ip(), why)
-                self.transport.close()
-            self._got_headers()
+    def _headers_late(self) -> None:
+        self._timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            self._close(f"no request headers within {self.header_timeout:g} s")
 
-    return GuardedH11
+    def _close(self, why: str) -> None:
+        if not self.transport.is_closing():
+            log.debug("closing a connection from %s: %s", self._ip(), why)
+            self.transport.close()
+        self._got_headers()
