@@ -9,11 +9,12 @@ default on a shared node:
   a pod limited to 2 CPUs on a 64-core node gets 64 threads, each time-sliced.
   `usable_cpus()` reads the affinity mask and the cgroup CPU quota.
 - between parallel regions libgomp's threads spin (up to ~300k iterations) waiting for
-  the next one. With as many threads as cores, a neighbour that wants one core (a
-  sidecar, another pod, a `nice 19` batch job) takes it from a spinning thread while
-  the thread that holds the work waits for the core: every barrier then costs a
-  scheduler tick, and throughput collapses. A short spin keeps the fast path (the next
-  region usually starts within microseconds) and yields the core soon after.
+  the next one, burning a core a neighbour (a sidecar, another pod, a `nice 19` batch
+  job) could use. A short spin keeps the fast path (the next region usually starts
+  within microseconds) and sleeps soon after. Measured on the development machine
+  (docs/performance.md), the throughput collapse beside a busy loop that [P] reported
+  does not reproduce today with either spin count, so this is a precaution, not the
+  measured cure.
 
 `configure()` runs before torch is imported (libgomp reads its settings once, when it
 loads); the compute plane's entry point calls it.
