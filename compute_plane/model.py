@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from compute_plane.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from compute_plane.decode_cpu import FusedDecode, fused_decode
 from compute_plane.model_config import ModelConfig
 from compute_plane.quant import QuantWeight, Weight, cat, weight_bytes
 from compute_plane.rotary import RotaryEmbedding
@@ -167,6 +168,8 @@ class Model:
         self.add_norm = kernels.add_rms_norm
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # Decode-only steps in one C call where it applies (CPU, quantized; decode_cpu.py).
+        self.fused: FusedDecode | None = fused_decode(self)
 
     @torch.inference_mode()
     def forward(
@@ -177,6 +180,9 @@ class Model:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """Returns the final-norm hidden states [T, hidden]; K/V of the new tokens are written."""
+        fused = self.fused
+        if fused is not None and meta.num_decodes == len(meta.seq_lens) <= fused.max_rows:
+            return fused(input_ids, positions, meta, kv_caches)
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         linear = self.linear

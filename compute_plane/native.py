@@ -1,7 +1,7 @@
 """C kernels for the CPU, compiled with the system's C compiler on first use.
 
-Each source in `csrc/` is built into a shared library once per source, flags, compiler
-and CPU, and cached under `$HETERO_INFER_CACHE_DIR` (default `~/.cache/hetero-infer`).
+Each source in `csrc/` is built into a shared library once per version of the sources
+(one may include another), flags, compiler and CPU, and cached under `$HETERO_INFER_CACHE_DIR` (default `~/.cache/hetero-infer`).
 The libraries link libgomp, which resolves to the copy torch has already loaded: their
 OpenMP loops run on torch's thread pool. Where no compiler is found the callers fall
 back to torch with a warning (KernelUnavailable).
@@ -56,7 +56,8 @@ def _cache_dir() -> Path:
 def load_library(name: str) -> ctypes.CDLL:
     """`csrc/<name>.c` as a loaded library (built once per source/flags/CPU, then cached)."""
     source_path = CSRC / f"{name}.c"
-    source = source_path.read_bytes()
+    # Sources include one another: every file in csrc/ is part of each library's key.
+    source = b"".join(f.read_bytes() for f in sorted(CSRC.iterdir()) if f.suffix in (".c", ".h"))
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise KernelUnavailable("no C compiler found (cc or gcc on PATH, or $CC)")

@@ -2,6 +2,12 @@
 
 Our engine runs hand-built steps over a paged KV cache with shuffled block ids; the
 reference is transformers' own forward over each request's whole sequence.
+
+The quantized cases run the CPU's quantized kernels and, for their decode steps, the
+fused C decode (compute_plane/decode_cpu.py): the bundled model with its 4-bit weights
+kept quantized against transformers' own dequantisation of the same GGUF, and tiny
+models quantized with `--quantization int8` against transformers running on the
+dequantized int8 weights.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ import pytest
 import torch
 
 from compute_plane.config import ComputeConfig
-from compute_plane.engine import Engine
-from compute_plane.loader import load_model
+from compute_plane.engine import Engine, load_for
 from compute_plane.model import onednn_linear
+from compute_plane.quant import quantize_q8
 from tests.compute.step_driver import StepDriver
 from tests.conftest import make_tiny_model
 
@@ -23,26 +29,51 @@ TOL = 1e-3
 BLOCK = 4
 
 
-def _engine(path: Path, block_size: int = BLOCK) -> Engine:
-    cfg = ComputeConfig(model=str(path), block_size=block_size, kv_cache_bytes=64 << 20)
-    engine = Engine(cfg, load_model(path, progress=False))
+def _engine(
+    path: Path, block_size: int = BLOCK, quantization: str = "auto", fused: bool = False
+) -> Engine:
+    cfg = ComputeConfig(
+        model=str(path), block_size=block_size, kv_cache_bytes=64 << 20, quantization=quantization
+    )
+    engine = Engine(cfg, load_for(cfg, path))
     # The default CPU backend: decodes by the C kernel, prefill chunks by SDPA.
     assert engine.describe().attention_backend == "cpu"
     # ... and the linear layers by oneDNN where this torch has it (so parity covers it).
     if torch.backends.mkldnn.is_available():
         assert engine.model.dense_linear is onednn_linear
+    # Quantized weights: decode steps by the fused C forward.
+    assert (engine.model.fused is not None) == fused
     engine.capture_logits = True
     return engine
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2", "qwen3", "smollm2"])
+def _dequantized_int8(model):  # type: ignore[no-untyped-def]
+    """`model` with every matrix `--quantization int8` quantizes replaced by its int8
+    weights, dequantized: what our int8 engine computes with."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:
+                p.copy_(quantize_q8(p.data).dequantize())
+    return model
+
+
+CASES = ["llama", "llama3-rope", "qwen2", "qwen3", "smollm2", "smollm2-q4"]
+CASES += ["llama-int8", "qwen2-int8", "qwen3-int8"]
+
+
+@pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory, smollm2_path):  # type: ignore[no-untyped-def]
     """(our engine, HF reference model)."""
     name = request.param
-    if name == "smollm2":
+    if name.startswith("smollm2"):
         ref = request.getfixturevalue("hf_smollm2")
-        return _engine(smollm2_path, block_size=16), ref
+        quantized = name == "smollm2-q4"
+        mode = "auto" if quantized else "none"
+        return _engine(smollm2_path, block_size=16, quantization=mode, fused=quantized), ref
     out = tmp_path_factory.mktemp(name)
+    if name.endswith("-int8"):
+        ref = _dequantized_int8(make_tiny_model(name.removesuffix("-int8"), out))
+        return _engine(out, quantization="int8", fused=True), ref
     if name == "llama3-rope":
         scaling = {
             "rope_type": "llama3",

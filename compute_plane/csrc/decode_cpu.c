@@ -1,0 +1,172 @@
+/* A whole decode step of a Llama-family model in one call, for the CPU (decode_cpu.py).
+ *
+ * At batch 1 the torch forward spends as long dispatching its ~20 small operations per
+ * layer (norms, rotary, cache writes, views, activations) as its matmuls take to stream
+ * the weights. Here a step's M decode rows (one token each) run every layer in C:
+ *
+ *   h = embed(ids)
+ *   per layer: x = rmsnorm(h); qkv = x W_qkv (+ b); [q, k per-head rmsnorm]; rotary;
+ *              k, v -> cache slots; a = attention(q, cache); h += a W_o;
+ *              x = rmsnorm(h); h += (silu(x W_gate) * x W_up) W_down
+ *   out = rmsnorm(h)
+ *
+ * with the quantized linears of quant_linear_cpu.c and the paged attention of
+ * paged_attention_cpu.c (both included: one library, their OpenMP loops on torch's
+ * libgomp pool). Arithmetic is fp32 in the same order of operations as model.py, so
+ * the result is the torch forward's to rounding. The small elementwise work runs on
+ * the calling thread: at M <= 64 rows it is microseconds.
+ *
+ * Returns 0; 1 for a shape the linears do not take (M > MAX_ROWS, K % 32); 2 when out
+ * of memory.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "paged_attention_cpu.c"
+#include "quant_linear_cpu.c"
+
+enum { W_DENSE = 0, W_Q4 = 1, W_Q8 = 2 };
+
+/* A weight [n][k]: dense fp32 rows, or the q4 / q8 layouts of quant_linear_cpu.c. */
+typedef struct {
+  int64_t kind, n, k;
+  const void *codes;
+  const float *scales;
+  const float *bias; /* NULL or [n] */
+} DWeight;
+
+typedef struct {
+  const float *input_norm, *post_norm;
+  const float *q_norm, *k_norm; /* NULL unless the model norms q and k per head */
+  DWeight qkv, o, gate_up, down;
+  float *k_cache, *v_cache; /* [blocks][block_size][kv_heads][head_dim] */
+} DLayer;
+
+typedef struct {
+  int64_t num_layers, hidden, intermediate, heads, kv_heads, head_dim, block_size;
+  float eps, scale;
+  const float *cos, *sin; /* [max_positions][head_dim] */
+  DWeight embed;
+  const float *final_norm;
+  const DLayer *layers;
+} DModel;
+
+/* y[m] = w(x[m]) for M rows: the quantized kernels, or a plain loop for dense weights
+ * (only the embedding is dense in practice; linears must be quantized, decode_cpu.py). */
+static int linear(const DWeight *w, const float *x, int64_t M, float *y) {
+  if (w->kind == W_Q4) return q4_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n);
+  if (w->kind == W_Q8) return q8_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n);
+  return 1;
+}
+
+/* Row `id` of the embedding as fp32. */
+static void embed_row(const DWeight *e, int64_t id, float *out) {
+  if (e->kind == W_Q4)
+    q4_dequant_f32(e->codes, e->scales, e->k, &id, 1, out);
+  else if (e->kind == W_Q8)
+    q8_dequant_f32(e->codes, e->scales, e->k, &id, 1, out);
+  else
+    memcpy(out, (const float *)e->codes + id * e->k, sizeof(float) * e->k);
+}
+
+/* out = weight * (x / sqrt(mean(x^2) + eps)), n values (out may be x). */
+static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / sqrtf(ss / (float)n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * r);
+}
+
+/* HF rotate_half rotary on one head in place: x*cos + rotate_half(x)*sin. */
+static void rotate(float *x, const float *cos, const float *sin, int64_t hd) {
+  const int64_t half = hd / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] - b * sin[i];
+    x[i + half] = b * cos[i + half] + a * sin[i + half];
+  }
+}
+
+typedef struct {
+  float *h, *x, *qkv, *q, *attn, *gu, *act, *tmp;
+} Scratch;
+
+static int scratch_alloc(const DModel *m, int64_t M, Scratch *s) {
+  const int64_t qn = m->heads * m->head_dim, kvn = m->kv_heads * m->head_dim;
+  const int64_t sizes[8] = {m->hidden, m->hidden, qn + 2 * kvn, qn,
+                            qn,        2 * m->intermediate, m->intermediate, m->hidden};
+  int64_t total = 0;
+  for (int i = 0; i < 8; ++i) total += sizes[i] * M;
+  float *base = malloc(sizeof(float) * (size_t)total);
+  if (!base) return 2;
+  float **slots[8] = {&s->h, &s->x, &s->qkv, &s->q, &s->attn, &s->gu, &s->act, &s->tmp};
+  for (int i = 0; i < 8; ++i) {
+    *slots[i] = base;
+    base += sizes[i] * M;
+  }
+  return 0;
+}
+
+/* After the qkv projection: per-head norms, rotary, q to its own buffer, k/v to the cache. */
+static void qkv_to_cache(const DModel *m, const DLayer *l, int64_t M, const int64_t *positions,
+                         const int64_t *slots, Scratch *s) {
+  const int64_t hd = m->head_dim, qn = m->heads * hd, kvn = m->kv_heads * hd;
+  const int64_t width = qn + 2 * kvn;
+  for (int64_t r = 0; r < M; ++r) {
+    float *row = s->qkv + r * width;
+    const float *cos = m->cos + positions[r] * hd, *sin = m->sin + positions[r] * hd;
+    for (int64_t h = 0; h < m->heads + m->kv_heads; ++h) {
+      float *head = row + h * hd; /* q heads, then k heads */
+      if (l->q_norm) rms_norm(head, h < m->heads ? l->q_norm : l->k_norm, hd, m->eps, head);
+      rotate(head, cos, sin, hd);
+    }
+    memcpy(s->q + r * qn, row, sizeof(float) * qn);
+    memcpy(l->k_cache + slots[r] * kvn, row + qn, sizeof(float) * kvn);
+    memcpy(l->v_cache + slots[r] * kvn, row + qn + kvn, sizeof(float) * kvn);
+  }
+}
+
+static int layer_forward(const DModel *m, const DLayer *l, int64_t M, const int64_t *positions,
+                         const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                         const int32_t *seq_lens, Scratch *s) {
+  const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim;
+  int err;
+  for (int64_t r = 0; r < M; ++r) rms_norm(s->h + r * H, l->input_norm, H, m->eps, s->x + r * H);
+  if ((err = linear(&l->qkv, s->x, M, s->qkv))) return err;
+  qkv_to_cache(m, l, M, positions, slots, s);
+  if (paged_decode_attention_f32(s->q, l->k_cache, l->v_cache, tables, table_stride, seq_lens,
+                                 s->attn, M, m->heads, m->kv_heads, hd, m->block_size, m->scale))
+    return 2;
+  if ((err = linear(&l->o, s->attn, M, s->tmp))) return err;
+  for (int64_t i = 0; i < M * H; ++i) s->h[i] += s->tmp[i];
+  for (int64_t r = 0; r < M; ++r) rms_norm(s->h + r * H, l->post_norm, H, m->eps, s->x + r * H);
+  if ((err = linear(&l->gate_up, s->x, M, s->gu))) return err;
+  for (int64_t r = 0; r < M; ++r) {
+    const float *gate = s->gu + r * 2 * I, *up = gate + I;
+    float *a = s->act + r * I;
+    for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+  }
+  if ((err = linear(&l->down, s->act, M, s->tmp))) return err;
+  for (int64_t i = 0; i < M * H; ++i) s->h[i] += s->tmp[i];
+  return 0;
+}
+
+int decode_forward_f32(const DModel *m, int64_t M, const int64_t *ids, const int64_t *positions,
+                       const int64_t *slots, const int32_t *tables, int64_t table_stride,
+                       const int32_t *seq_lens, float *out) {
+  if (M > MAX_ROWS) return 1;
+  Scratch s;
+  if (scratch_alloc(m, M, &s)) return 2;
+  const int64_t H = m->hidden;
+  for (int64_t r = 0; r < M; ++r) embed_row(&m->embed, ids[r], s.h + r * H);
+  int err = 0;
+  for (int64_t i = 0; i < m->num_layers && !err; ++i)
+    err = layer_forward(m, &m->layers[i], M, positions, slots, tables, table_stride, seq_lens,
+                        &s);
+  if (!err)
+    for (int64_t r = 0; r < M; ++r) rms_norm(s.h + r * H, m->final_norm, H, m->eps, out + r * H);
+  free(s.h);
+  return err;
+}
