@@ -78,6 +78,14 @@ class ComputeConfig(GrpcServerConfig):
             "dense weights to int8 per group of 32 (CPU, float32)"
         },
     )
+    cpu_activations: str = field(
+        default="int16",
+        metadata={
+            "help": "how decode steps multiply activations by quantized weights on the CPU: "
+            "int16 (rounded per group of 32 to 2^-16 of its largest value, integer "
+            "multiply-adds; faster) or fp32 (exact: the dequantized weights' result)"
+        },
+    )
     num_threads: int | None = field(
         default=None,
         metadata={
@@ -90,6 +98,8 @@ class ComputeConfig(GrpcServerConfig):
         super().__post_init__()
         if self.quantization not in ("auto", "none", "int8"):
             raise ValueError(f"quantization must be auto, none or int8, got {self.quantization!r}")
+        if self.cpu_activations not in ("int16", "fp32"):
+            raise ValueError(f"cpu_activations must be int16 or fp32, got {self.cpu_activations!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

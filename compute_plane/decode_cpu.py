@@ -56,6 +56,7 @@ _SHAPE = ("num_layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim
 class _DModel(ctypes.Structure):
     _fields_ = [
         *((n, _i64) for n in _SHAPE),
+        ("exact", _i64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("cos", _ptr),
@@ -135,7 +136,8 @@ class FusedDecode:
             c.o, c.gate_up, c.down = _weight(layer.o), _weight(layer.gate_up), _weight(layer.down)
         self._model = _DModel(
             cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
-            cfg.num_kv_heads, cfg.head_dim, 0, cfg.rms_norm_eps, cfg.head_dim**-0.5,
+            cfg.num_kv_heads, cfg.head_dim, 0, model.activations == "fp32", cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
             cos.data_ptr(), sin.data_ptr(), _weight(model.embed), model.final_norm.data_ptr(),
             self._layers,
         )  # fmt: skip

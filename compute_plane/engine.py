@@ -148,16 +148,24 @@ class Engine:
         )
         if self.device.type == "cuda":
             free_before, _ = torch.cuda.mem_get_info(self.device)
-            model = Model(cfg, weights, self.device, self.dtype, max_len + 1, kernels)
+            model = self._model(weights, max_len, kernels)
             num_blocks = num_blocks_from_free_memory(model, config, max_len, free_before)
         else:
             num_blocks = num_blocks_for_budget(
                 cfg, self.block_size, self.dtype, config.kv_cache_bytes
             )
             max_len = min(max_len, (num_blocks - 1) * self.block_size)
-            model = Model(cfg, weights, self.device, self.dtype, max_len + 1, kernels)
+            model = self._model(weights, max_len, kernels)
         self.model_max_len = max_len
         return model, num_blocks
+
+    def _model(
+        self, weights: dict[str, quant.Weight], max_len: int, kernels: ModelKernels | None
+    ) -> Model:
+        return Model(
+            self.model_config, weights, self.device, self.dtype, max_len + 1, kernels,
+            activations=self.config.cpu_activations,
+        )  # fmt: skip
 
     def _init_metrics(self, loaded: LoadedModel) -> None:
         m = self.metric_labels

@@ -55,12 +55,13 @@ def onednn_linear(
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
 
 
-def with_quantized(dense: DenseLinear) -> Linear:
-    """A linear that runs a QuantWeight on its own kernels and a tensor on `dense`."""
+def with_quantized(dense: DenseLinear, activations: str = "int16") -> Linear:
+    """A linear that runs a QuantWeight on its own kernels (with `activations`, see
+    quant.ACTIVATIONS) and a tensor on `dense`."""
 
     def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(w, QuantWeight):
-            return w.linear(x, bias)
+            return w.linear(x, bias, activations)
         return dense(x, w, bias)
 
     return linear
@@ -146,8 +147,10 @@ class Model:
         dtype: torch.dtype,
         max_positions: int,
         kernels: ModelKernels | None = None,
+        activations: str = "int16",
     ) -> None:
         self.cfg = cfg
+        self.activations = activations  # quantized decode matmuls (quant.ACTIVATIONS)
         kernels = kernels or torch_kernels(cfg)
         w = {k: _place(v, device, dtype) for k, v in weights.items()}
         self.weight_bytes = weight_bytes(w)  # what the weights take on the device
@@ -158,7 +161,7 @@ class Model:
         self.final_norm = _tensor(w, "model.norm.weight")
         self.device, self.dtype = device, dtype
         self.dense_linear = pick_linear(device, dtype)
-        self.linear = with_quantized(self.dense_linear)
+        self.linear = with_quantized(self.dense_linear, activations)
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.rotary = kernels.rotary(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, dtype

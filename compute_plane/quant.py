@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 GROUP = 32
 MAX_KERNEL_ROWS = 64  # above this many rows (prefill), dequantize + dense GEMM is faster
 QUANTIZATIONS = ("auto", "none", "int8")
+# How the decode kernels multiply activations by quantized weights (csrc/quant_linear_cpu.c):
+# int16: x rounded to int16 per group of 32, integer multiply-adds; fp32: exact.
+ACTIVATIONS = ("int16", "fp32")
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ def load_kernels() -> _Kernels:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("q4_linear_f32", "q8_linear_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
     for name in ("q4_dequant_f32", "q8_dequant_f32"):
         fn = getattr(lib, name)
@@ -102,8 +105,11 @@ class QuantWeight:
         )  # fmt: skip
         return out
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] fp32 @ w.T (+ bias) -> [M, N] fp32."""
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, activations: str = "int16"
+    ) -> torch.Tensor:
+        """x [M, K] fp32 @ w.T (+ bias) -> [M, N] fp32; `activations` (ACTIVATIONS) is how
+        the kernel multiplies up to MAX_KERNEL_ROWS rows (more: dequantize + fp32 GEMM)."""
         n, k = self.shape
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
@@ -116,6 +122,7 @@ class QuantWeight:
         failed = fn(
             x2.data_ptr(), m, k, self.codes.data_ptr(), self.scales.data_ptr(),
             None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n,
+            activations == "fp32",
         )  # fmt: skip
         if failed:
             raise MemoryError(f"quantized linear failed ({failed}) for {m}x{k} @ {n}x{k}")

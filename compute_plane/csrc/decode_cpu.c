@@ -46,6 +46,7 @@ typedef struct {
 
 typedef struct {
   int64_t num_layers, hidden, intermediate, heads, kv_heads, head_dim, block_size;
+  int64_t exact; /* fp32 activations in the linears (else int16) */
   float eps, scale;
   const float *cos, *sin; /* [max_positions][head_dim] */
   DWeight embed;
@@ -53,11 +54,13 @@ typedef struct {
   const DLayer *layers;
 } DModel;
 
-/* y[m] = w(x[m]) for M rows: the quantized kernels, or a plain loop for dense weights
- * (only the embedding is dense in practice; linears must be quantized, decode_cpu.py). */
-static int linear(const DWeight *w, const float *x, int64_t M, float *y) {
-  if (w->kind == W_Q4) return q4_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n);
-  if (w->kind == W_Q8) return q8_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n);
+/* y[m] = w(x[m]) for M rows by the quantized kernels (`exact`: fp32 or int16 activations,
+ * quant_linear_cpu.c); layer weights are always quantized here (decode_cpu.py). */
+static int apply(const DWeight *w, const float *x, int64_t M, int exact, float *y) {
+  if (w->kind == W_Q4)
+    return q4_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n, exact);
+  if (w->kind == W_Q8)
+    return q8_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n, exact);
   return 1;
 }
 
@@ -134,21 +137,21 @@ static int layer_forward(const DModel *m, const DLayer *l, int64_t M, const int6
   const int64_t H = m->hidden, I = m->intermediate, hd = m->head_dim;
   int err;
   for (int64_t r = 0; r < M; ++r) rms_norm(s->h + r * H, l->input_norm, H, m->eps, s->x + r * H);
-  if ((err = linear(&l->qkv, s->x, M, s->qkv))) return err;
+  if ((err = apply(&l->qkv, s->x, M, m->exact, s->qkv))) return err;
   qkv_to_cache(m, l, M, positions, slots, s);
   if (paged_decode_attention_f32(s->q, l->k_cache, l->v_cache, tables, table_stride, seq_lens,
                                  s->attn, M, m->heads, m->kv_heads, hd, m->block_size, m->scale))
     return 2;
-  if ((err = linear(&l->o, s->attn, M, s->tmp))) return err;
+  if ((err = apply(&l->o, s->attn, M, m->exact, s->tmp))) return err;
   for (int64_t i = 0; i < M * H; ++i) s->h[i] += s->tmp[i];
   for (int64_t r = 0; r < M; ++r) rms_norm(s->h + r * H, l->post_norm, H, m->eps, s->x + r * H);
-  if ((err = linear(&l->gate_up, s->x, M, s->gu))) return err;
+  if ((err = apply(&l->gate_up, s->x, M, m->exact, s->gu))) return err;
   for (int64_t r = 0; r < M; ++r) {
     const float *gate = s->gu + r * 2 * I, *up = gate + I;
     float *a = s->act + r * I;
     for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
   }
-  if ((err = linear(&l->down, s->act, M, s->tmp))) return err;
+  if ((err = apply(&l->down, s->act, M, m->exact, s->tmp))) return err;
   for (int64_t i = 0; i < M * H; ++i) s->h[i] += s->tmp[i];
   return 0;
 }

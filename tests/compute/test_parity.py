@@ -33,7 +33,11 @@ def _engine(
     path: Path, block_size: int = BLOCK, quantization: str = "auto", fused: bool = False
 ) -> Engine:
     cfg = ComputeConfig(
-        model=str(path), block_size=block_size, kv_cache_bytes=64 << 20, quantization=quantization
+        model=str(path),
+        block_size=block_size,
+        kv_cache_bytes=64 << 20,
+        quantization=quantization,
+        cpu_activations="fp32",  # exact; int16's rounding: tests/compute/test_quant.py
     )
     engine = Engine(cfg, load_for(cfg, path))
     # The default CPU backend: decodes by the C kernel, prefill chunks by SDPA.
