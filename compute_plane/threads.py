@@ -1,23 +1,19 @@
 """The compute plane's worker threads: one OpenMP pool for every kernel, sized from the
-CPUs this process may use, that does not spin against its neighbours.
+CPUs this process may use.
 
 torch's intra-op pool is libgomp's; the C kernels (compute_plane/native.py) run on the
-same pool (their libgomp resolves to the copy torch loaded). Two things go wrong by
-default on a shared node:
+same pool (their libgomp resolves to the copy torch loaded: one runtime in the process,
+checked in /proc/self/maps). By default torch sizes the pool from the CPUs the machine
+has, not those this process may use: a pod limited to 2 CPUs on a 64-core node gets 64
+threads, each time-sliced. `usable_cpus()` reads the affinity mask and the cgroup CPU
+quota, and `configure()` sizes the pool from it before torch is imported (libgomp reads
+OMP_NUM_THREADS once, when it loads); the compute plane's entry point calls it.
 
-- torch sizes the pool from the CPUs the machine has, not those this process may use:
-  a pod limited to 2 CPUs on a 64-core node gets 64 threads, each time-sliced.
-  `usable_cpus()` reads the affinity mask and the cgroup CPU quota.
-- between parallel regions libgomp's threads spin (up to ~300k iterations) waiting for
-  the next one, burning a core a neighbour (a sidecar, another pod, a `nice 19` batch
-  job) could use. A short spin keeps the fast path (the next region usually starts
-  within microseconds) and sleeps soon after. Measured on the development machine
-  (docs/performance.md), the throughput collapse beside a busy loop that [P] reported
-  does not reproduce today with either spin count, so this is a precaution, not the
-  measured cure.
-
-`configure()` runs before torch is imported (libgomp reads its settings once, when it
-loads); the compute plane's entry point calls it.
+libgomp's own wait policy (spin ~300k iterations between parallel regions, then sleep)
+is kept: a fused decode step runs ~150 short regions, and beside a `nice 19` busy loop a
+short spin (GOMP_SPINCOUNT=10000) let the busy loop take a core at every gap, so batch 1
+kept 0.67-0.88x of its quiet speed against 0.96-0.98x with the default
+(docs/performance.md). GOMP_SPINCOUNT / OMP_WAIT_POLICY in the environment still apply.
 """
 
 from __future__ import annotations
@@ -28,10 +24,6 @@ import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-
-# Iterations a waiting libgomp thread spins before it sleeps (its default is 300,000
-# with as many threads as CPUs): ~10-50 microseconds here.
-SPIN_COUNT = 10_000
 
 
 def cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
@@ -62,10 +54,9 @@ def usable_cpus() -> int:
 
 
 def configure(num_threads: int | None = None) -> int:
-    """Size the pool (`num_threads`, else usable_cpus()) and shorten its spin; before torch."""
+    """Size the pool (`num_threads`, else usable_cpus()); before torch is imported."""
     n = num_threads or usable_cpus()
     os.environ.setdefault("OMP_NUM_THREADS", str(n))
-    os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
     return n
 
 
@@ -75,4 +66,4 @@ def apply(num_threads: int) -> None:
 
     if torch.get_num_threads() != num_threads:
         torch.set_num_threads(num_threads)
-    log.info("compute threads: %d (OpenMP, spin %s)", num_threads, os.environ.get("GOMP_SPINCOUNT"))
+    log.info("compute threads: %d (OpenMP)", num_threads)

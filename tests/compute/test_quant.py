@@ -54,7 +54,7 @@ def _int16_bound(q: QuantWeight, x: torch.Tensor) -> torch.Tensor:
     """The most int16 activations can move each output [M, N]: x is rounded per group of
     32 to int16 steps of max|x_g| / 32767, so each element by at most half a step, and
     output n by sum_g |s_ng| * sum_j |code_ngj| * step_mg / 2."""
-    n, k = q.shape
+    n = q.shape[0]
     if q.kind == "q4":
         lo, hi = q.codes & 0x0F, q.codes >> 4
         codes = torch.cat([lo.view(n, -1, 16), hi.view(n, -1, 16)], -1).double()
