@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +49,15 @@ def _tokens(s: Sample) -> int:
     return s.tokens or len(s.chunk_times)
 
 
-async def batch_one(url: str, model: str, seed: int) -> dict[str, Any]:
+async def batch_one(
+    url: str, model: str, seed: int, after_warmup: Callable[[], None] | None = None
+) -> dict[str, Any]:
     runs = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
         for i in range(4):  # the first warms up; each prompt new to the server's caches
             runs.append(await one_request(http, model, make_workload(SINGLE, seed + i)[0]))
+            if i == 0 and after_warmup is not None:
+                after_warmup()
     measured = [s for s in runs[1:] if s.error is None and s.first is not None]
     if not measured:
         return {"error": runs[-1].error}
@@ -128,10 +132,10 @@ def decode_steps(metrics_url: str | None) -> tuple[float, float] | None:
 async def batch_one_split(
     url: str, metrics_url: str | None, model: str, seed: int
 ) -> dict[str, Any]:
-    """batch_one, and the mean decode step the compute plane measured meanwhile."""
-    before = decode_steps(metrics_url)
-    out = await batch_one(url, model, seed)
-    after = decode_steps(metrics_url)
+    """batch_one, and the mean decode step the compute plane measured in its measured runs."""
+    marks: list[tuple[float, float] | None] = []
+    out = await batch_one(url, model, seed, lambda: marks.append(decode_steps(metrics_url)))
+    before, after = marks[0] if marks else None, decode_steps(metrics_url)
     if before and after and after[1] > before[1]:
         out["compute_decode_step_ms"] = 1e3 * (after[0] - before[0]) / (after[1] - before[1])
     return out
