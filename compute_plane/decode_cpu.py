@@ -94,6 +94,9 @@ def unsupported(model: Model) -> str | None:
         return "not on the CPU in fp32"
     if model.attention.name != "cpu":
         return f"attention backend {model.attention.name!r}, not 'cpu'"
+    cfg = model.cfg
+    if cfg.architecture not in ("llama", "mistral", "qwen2", "qwen3"):
+        return f"architecture {cfg.architecture}"  # Gemma 3's norms, windows, GELU: not in C yet
     for layer in model.layers:
         if not all(
             isinstance(w, QuantWeight) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -130,7 +133,7 @@ class FusedDecode:
         self._keep: list[object] = [model, cos, sin]  # what the raw pointers point into
         self._layers = (_DLayer * cfg.num_layers)()
         for c, layer in zip(self._layers, model.layers, strict=True):
-            c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.mlp_norm.data_ptr()
             c.q_norm, c.k_norm = _ptr_of(layer.q_norm), _ptr_of(layer.k_norm)
             c.qkv = _weight(layer.qkv, layer.qkv_bias)
             c.o, c.gate_up, c.down = _weight(layer.o), _weight(layer.gate_up), _weight(layer.down)

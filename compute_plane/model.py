@@ -92,7 +92,7 @@ class ModelKernels:
 
 def torch_kernels(cfg: ModelConfig) -> ModelKernels:
     return ModelKernels(
-        TorchPagedAttention(scale=cfg.head_dim**-0.5), rms_norm, add_rms_norm, RotaryEmbedding
+        TorchPagedAttention(scale=cfg.scale), rms_norm, add_rms_norm, RotaryEmbedding
     )
 
 
@@ -103,8 +103,18 @@ class Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         dense = functools.partial(_tensor, w)
+        self.window = cfg.window(i)  # sliding-window layers see only the latest positions
         self.input_norm = dense(p + "input_layernorm.weight")
-        self.post_norm = dense(p + "post_attention_layernorm.weight")
+        # The norm before the MLP: Llama calls it post_attention_layernorm. Gemma's
+        # "sandwich" has that name on the norm of the attention's output, another before
+        # the MLP and one on the MLP's output.
+        self.attn_out_norm = self.mlp_out_norm = None
+        if cfg.sandwich_norms:
+            self.attn_out_norm = dense(p + "post_attention_layernorm.weight")
+            self.mlp_norm = dense(p + "pre_feedforward_layernorm.weight")
+            self.mlp_out_norm = dense(p + "post_feedforward_layernorm.weight")
+        else:
+            self.mlp_norm = dense(p + "post_attention_layernorm.weight")
         self.qkv = cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         self.qkv_bias = (
             torch.cat(
@@ -136,6 +146,22 @@ def _place(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
     return w.to(device=device, dtype=dtype)
 
 
+def _offset_norms(w: dict[str, Weight], offset: float) -> dict[str, Weight]:
+    """Gemma's RMSNorm multiplies by (offset + w): fold the offset into the norm weights."""
+    if not offset:
+        return w
+    return {
+        k: v + offset if k.endswith("norm.weight") and isinstance(v, torch.Tensor) else v
+        for k, v in w.items()
+    }
+
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
+}
+
+
 class Model:
     """Forward over a flattened ragged batch; KV caches are owned by the caller."""
 
@@ -152,7 +178,9 @@ class Model:
         self.cfg = cfg
         self.activations = activations  # quantized decode matmuls (quant.ACTIVATIONS)
         kernels = kernels or torch_kernels(cfg)
-        w = {k: _place(v, device, dtype) for k, v in weights.items()}
+        w = _offset_norms(
+            {k: _place(v, device, dtype) for k, v in weights.items()}, cfg.norm_weight_offset
+        )
         self.weight_bytes = weight_bytes(w)  # what the weights take on the device
         self.embed = w["model.embed_tokens.weight"]
         self.lm_head = (
@@ -165,6 +193,20 @@ class Model:
         self.layers = [Layer(cfg, w, i) for i in range(cfg.num_layers)]
         self.rotary = kernels.rotary(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device, dtype
+        )
+        # Sliding-window layers may rotate with their own base (Gemma 3: 10k vs 1M).
+        self.rotary_local = (
+            self.rotary
+            if cfg.rope_local_theta is None
+            else kernels.rotary(
+                cfg.head_dim, max_positions, cfg.rope_local_theta, None, device, dtype
+            )
+        )
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.embedding_scale = (
+            None
+            if cfg.embedding_scale is None
+            else torch.tensor(cfg.embedding_scale, dtype=dtype, device=device)
         )
         self.attention = kernels.attention
         self.norm = kernels.rms_norm
@@ -186,30 +228,48 @@ class Model:
         fused = self.fused
         if fused is not None and meta.num_decodes == len(meta.seq_lens) <= fused.max_rows:
             return fused(input_ids, positions, meta, kv_caches)
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        linear = self.linear
         self.attention.prepare(meta)
         embed = self.embed
         h = embed.dequantize(input_ids) if isinstance(embed, QuantWeight) else embed[input_ids]
+        if self.embedding_scale is not None:
+            h = h * self.embedding_scale
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = self.norm(h, layer.input_norm, eps)
-            qkv = linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
-            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q = self.norm(q, layer.q_norm, eps)
-                k = self.norm(k, layer.k_norm, eps)
-            q, k = self.rotary(q, k, positions)
-            o = self.attention.forward(q, k, v, k_cache, v_cache, meta)
-            x, h = self.add_norm(
-                linear(o.reshape(-1, self.q_size), layer.o, None), h, layer.post_norm, eps
-            )
-            gate, up = linear(x, layer.gate_up, None).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down, None)
-        return self.norm(h, self.final_norm, eps)
+            x, h = self._attention(layer, h, positions, meta, k_cache, v_cache)
+            gate, up = self.linear(x, layer.gate_up, None).chunk(2, dim=-1)
+            m = self.linear(self.act(gate) * up, layer.down, None)
+            if layer.mlp_out_norm is not None:
+                m = self.norm(m, layer.mlp_out_norm, self.cfg.rms_norm_eps)
+            h = h + m
+        return self.norm(h, self.final_norm, self.cfg.rms_norm_eps)
+
+    def _attention(
+        self,
+        layer: Layer,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's attention block: (the MLP's normed input, the residual stream)."""
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        x = self.norm(h, layer.input_norm, eps)
+        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = self.norm(q, layer.q_norm, eps)
+            k = self.norm(k, layer.k_norm, eps)
+        rotary = self.rotary if layer.window is None else self.rotary_local
+        q, k = rotary(q, k, positions)
+        o = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.window)
+        o = self.linear(o.reshape(-1, self.q_size), layer.o, None)
+        if layer.attn_out_norm is None:
+            return self.add_norm(o, h, layer.mlp_norm, eps)
+        h = h + self.norm(o, layer.attn_out_norm, eps)
+        return self.norm(h, layer.mlp_norm, eps), h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 
 from hetero_common.model_path import bundled_gguf
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 @pytest.fixture(scope="session")
@@ -51,9 +51,23 @@ def make_tiny_model(arch: str, out: Path, *, seed: int = 0, **overrides: object)
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         common.setdefault("head_dim", 16)
+    if arch == "gemma3":
+        # Two sliding-window (local) layers and a global one, a window shorter than the
+        # prompts, the two rotary bases, and a query scale that is not head_dim's.
+        common.update(num_hidden_layers=3, tie_word_embeddings=True, query_pre_attn_scalar=24)
+        common.setdefault("sliding_window", 6)
+        common.setdefault("layer_types", ["sliding_attention", "sliding_attention", "full_attention"])
+        common.setdefault(
+            "rope_parameters",
+            {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
     torch.manual_seed(seed)
     model = cls[1](cls[0](**common)).eval()
     # HF initialises biases to 0 and norm weights to 1; perturb them so they matter.

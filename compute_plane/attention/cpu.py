@@ -30,7 +30,7 @@ def load_kernel() -> Callable[..., int]:
     """The compiled kernel's entry point (compute_plane.native builds and caches it)."""
     fn = load_library("paged_attention_cpu").paged_decode_attention_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float]
+    fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64]
     fn.restype = ctypes.c_int
     return fn
 
@@ -50,7 +50,12 @@ class CPUPagedAttention(TorchPagedAttention):
             meta.block_tables = meta.block_tables.to(torch.int32).contiguous()
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         if not (k_cache.dtype == v_cache.dtype == q.dtype == torch.float32):
             raise TypeError(f"the CPU attention kernel is fp32 only, got {k_cache.dtype}")
@@ -66,7 +71,7 @@ class CPUPagedAttention(TorchPagedAttention):
             failed = self._kernel(
                 q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                 tables.stride(0), lens.data_ptr(), out.data_ptr(), d, heads,
-                k_cache.shape[2], head_dim, k_cache.shape[1], self.scale,
+                k_cache.shape[2], head_dim, k_cache.shape[1], self.scale, window or 0,
             )  # fmt: skip
         if failed:
             raise MemoryError("the CPU attention kernel could not allocate its score buffers")

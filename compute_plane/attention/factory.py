@@ -20,12 +20,21 @@ from compute_plane.rotary import RotaryEmbedding
 log = logging.getLogger(__name__)
 
 
-def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype, sliding_window: bool = False
+) -> str:
     """auto = triton on CUDA; on the CPU the C kernel for fp32 (torch where it can't be built,
-    or for other dtypes). triton on the CPU is the interpreter's test mode."""
+    or for other dtypes). triton on the CPU is the interpreter's test mode. The Triton
+    kernels have no sliding window yet: models with sliding-window layers (Gemma 3) run
+    the torch backend on CUDA."""
+    if name == "triton" and sliding_window:
+        raise ValueError(
+            "attention backend 'triton' has no sliding-window attention yet (this model's "
+            "layers need it); use --attention-backend torch"
+        )
     if name == "auto":
         if device.type == "cuda":
-            name = "triton"
+            name = "torch" if sliding_window else "triton"
         elif dtype != torch.float32:
             name = "torch"
         else:
@@ -62,9 +71,7 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
 def model_kernels(backend: str, cfg: ModelConfig, device: torch.device) -> ModelKernels | None:
     """The kernel set of a resolved backend; None = the model's torch default."""
     if backend == "cpu":
-        return ModelKernels(
-            CPUPagedAttention(cfg.head_dim**-0.5), rms_norm, add_rms_norm, RotaryEmbedding
-        )
+        return ModelKernels(CPUPagedAttention(cfg.scale), rms_norm, add_rms_norm, RotaryEmbedding)
     if backend != "triton":
         return None
     from compute_plane.attention.triton_backend import triton_kernels  # imports triton

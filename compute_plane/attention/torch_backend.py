@@ -42,6 +42,9 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor | None = None  # [B] int32, on the device
     query_start_loc: torch.Tensor | None = None  # [P + 1] int32: prefill chunks' query rows
     num_splits: int = 1  # split-K parts of each decode's context
+    # Per sliding window: the torch backend's masks for layers that see only the last
+    # `window` positions, derived on first use in a step (attention.torch_backend).
+    windowed: dict[int, object] = field(default_factory=dict)
 
 
 class AttentionBackend(Protocol):
@@ -59,9 +62,14 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """Write k/v at meta.slot_mapping, then attend; q [T, H, D] -> [T, H, D]."""
+        """Write k/v at meta.slot_mapping, then attend; q [T, H, D] -> [T, H, D]. With a
+        `window`, a query at position p sees keys at positions p - window + 1 .. p."""
         ...
+
+
+Span = tuple[int, int, torch.Tensor | None, torch.Tensor | None]
 
 
 class TorchPagedAttention:
@@ -97,7 +105,7 @@ class TorchPagedAttention:
     def prepare_prefills(self, meta: AttentionMetadata) -> None:
         dev = meta.slot_mapping.device
         bs = meta.block_size
-        spans: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        spans: list[Span] = []
         start = d = meta.num_decodes
         for i in range(d, len(meta.seq_lens)):
             ctx, q = meta.seq_lens[i], meta.query_lens[i]
@@ -122,6 +130,7 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,  # [N, bs, KVH, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         kvh, hd = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, kvh, hd)
@@ -132,17 +141,20 @@ class TorchPagedAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         d = meta.num_decodes
         if d:
-            out[:d] = self.decode(q[:d], k_cache, v_cache, meta)
-        for start, end, blocks, mask in meta.prefill_spans:
+            out[:d] = self.decode(q[:d], k_cache, v_cache, meta, window)
+        spans = meta.prefill_spans if window is None else self._windowed(meta, window)[1]
+        for start, end, blocks, mask in spans:
             qp = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, q, hd]
             if blocks is None:
                 # No prefix: the chunk's own K/V, causal. SDPA's fused causal kernel,
-                # with no gather and no mask (a 2048-token prompt's attention ~1.8x faster).
+                # with no gather and no mask (a 2048-token prompt's attention ~1.8x faster);
+                # a mask only where a sliding window is shorter than the chunk.
                 keys = k[start:end].transpose(0, 1).unsqueeze(0)
                 vals = v[start:end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(
-                    qp, keys, vals, is_causal=True, scale=self.scale, enable_gqa=True
-                )
+                    qp, keys, vals, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                    enable_gqa=True,
+                )  # fmt: skip
             else:
                 keys = k_cache.index_select(0, blocks).view(-1, kvh, hd)
                 vals = v_cache.index_select(0, blocks).view(-1, kvh, hd)
@@ -157,20 +169,59 @@ class TorchPagedAttention:
             out[start:end] = o.squeeze(0).transpose(0, 1)
         return out
 
+    def _windowed(
+        self, meta: AttentionMetadata, window: int
+    ) -> tuple[torch.Tensor | None, list[Span]]:
+        """The step's decode mask and prefill spans for layers with this sliding window
+        (keys at positions > query position - window), derived once per step."""
+        got = meta.windowed.get(window)
+        if got is None:
+            decode_mask = meta.decode_mask
+            if decode_mask is not None:
+                pos = torch.arange(decode_mask.shape[-1], device=decode_mask.device)
+                lens = meta.seq_lens[: meta.num_decodes]
+                first = torch.tensor(lens, device=pos.device) - window
+                decode_mask = decode_mask & (pos[None, :] >= first[:, None])[:, None, None, :]
+            spans = [self._window_span(meta, i, span, window) for i, span in
+                     enumerate(meta.prefill_spans)]  # fmt: skip
+            got = meta.windowed[window] = (decode_mask, spans)
+        return got  # type: ignore[return-value]
+
+    @staticmethod
+    def _window_span(meta: AttentionMetadata, i: int, span: Span, window: int) -> Span:
+        start, end, blocks, mask = span
+        q = end - start
+        ctx = meta.seq_lens[meta.num_decodes + i]
+        q_pos = torch.arange(ctx - q, ctx, device=meta.slot_mapping.device)
+        if mask is None:  # no prefix: keys are the chunk's own tokens
+            if q <= window:
+                return span  # causal alone keeps every key within the window
+            k_pos = q_pos
+            mask = k_pos[None, :] <= q_pos[:, None]
+        else:
+            k_pos = torch.arange(mask.shape[1], device=mask.device)
+        return start, end, blocks, mask & (k_pos[None, :] > q_pos[:, None] - window)
+
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
         """The decodes' attention, q [D, H, hd] -> [D, H, hd]: one padded, masked SDPA."""
         d, kvh, hd = q.shape[0], k_cache.shape[2], k_cache.shape[3]
         blocks = meta.decode_blocks
         assert blocks is not None, "prepare() first"
+        mask = meta.decode_mask if window is None else self._windowed(meta, window)[0]
         keys = k_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
         vals = v_cache.index_select(0, blocks).view(d, -1, kvh, hd).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [D, H, 1, hd]
             keys,
             vals,
-            attn_mask=meta.decode_mask,
+            attn_mask=mask,
             scale=self.scale,
             enable_gqa=True,
         )

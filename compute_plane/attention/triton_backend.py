@@ -53,7 +53,10 @@ class TritonPagedAttention:
         k_cache: torch.Tensor,  # [N, bs, KVH, D]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
     ) -> torch.Tensor:
+        if window is not None:  # resolve_attention_backend keeps such models off Triton
+            raise ValueError("the Triton attention kernels have no sliding window")
         cache_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         lens = meta.seq_lens_tensor
         assert lens is not None, "prepare() first"
@@ -91,7 +94,7 @@ def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:
         else 0
     )
     return ModelKernels(
-        attention=TritonPagedAttention(cfg.head_dim**-0.5, cfg.num_kv_heads, num_sms),
+        attention=TritonPagedAttention(cfg.scale, cfg.num_kv_heads, num_sms),
         rms_norm=rms_norm,
         add_rms_norm=add_rms_norm,
         rotary=TritonRotaryEmbedding,

@@ -140,7 +140,7 @@ static int layer_forward(const DModel *m, const DLayer *l, int64_t M, const int6
   if ((err = apply(&l->qkv, s->x, M, m->exact, s->qkv))) return err;
   qkv_to_cache(m, l, M, positions, slots, s);
   if (paged_decode_attention_f32(s->q, l->k_cache, l->v_cache, tables, table_stride, seq_lens,
-                                 s->attn, M, m->heads, m->kv_heads, hd, m->block_size, m->scale))
+                                 s->attn, M, m->heads, m->kv_heads, hd, m->block_size, m->scale, 0))
     return 2;
   if ((err = apply(&l->o, s->attn, M, m->exact, s->tmp))) return err;
   for (int64_t i = 0; i < M * H; ++i) s->h[i] += s->tmp[i];

@@ -16,7 +16,9 @@
  * the dot products, axpys and expf vectorise.
  *
  * Layouts (contiguous): q, out [D, H, hd]; k_cache, v_cache [N, bs, KVH, hd];
- * tables [D, table_stride] int32 block ids; seq_lens [D] int32 (>= 1).
+ * tables [D, table_stride] int32 block ids; seq_lens [D] int32 (>= 1). window > 0: a
+ * sliding-window layer's, each query sees only the last `window` tokens (blocks before
+ * them are not read: their ids may be stale); 0: all.
  * Returns 0, or 1 when a thread could not allocate its score buffer.
  */
 #include <float.h>
@@ -47,47 +49,50 @@ typedef struct {
   float scale;
 } Shape;
 
-/* Query heads [h0, h1) of one sequence (q, o point at its head 0) over its `len` tokens. */
+/* Query heads [h0, h1) of one sequence (q, o point at its head 0) over its tokens
+ * [first, len): all of them, or the last `window` for a sliding-window layer. */
 static void attend(const Shape *s, const float *q, float *o, const float *k_cache,
-                   const float *v_cache, const int32_t *table, int64_t len, int64_t h0,
-                   int64_t h1, float *scores) {
+                   const float *v_cache, const int32_t *table, int64_t first, int64_t len,
+                   int64_t h0, int64_t h1, float *scores) {
   const int64_t hd = s->head_dim, bs = s->block_size;
-  const int64_t num_blocks = (len + bs - 1) / bs;
+  const int64_t num_blocks = (len + bs - 1) / bs, n_keys = len - first;
   const int64_t block_stride = bs * s->slot_stride;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first / bs; b < num_blocks; ++b) {
     const int64_t t0 = b * bs;
     const int64_t n = len - t0 < bs ? len - t0 : bs;
     const float *k = k_cache + (int64_t)table[b] * block_stride;
     const float *next = b + 1 < num_blocks ? k_cache + (int64_t)table[b + 1] * block_stride : NULL;
     for (int64_t t = 0; t < n; ++t, k += s->slot_stride) {
       if (next) prefetch_row(next + t * s->slot_stride, s->slot_stride);
+      if (t0 + t < first) continue;
       for (int64_t h = h0; h < h1; ++h)
-        scores[(h - h0) * len + t0 + t] =
+        scores[(h - h0) * n_keys + t0 + t - first] =
             dot(q + h * hd, k + (h / s->group) * hd, hd) * s->scale;
     }
   }
   for (int64_t h = h0; h < h1; ++h) {
-    float *sh = scores + (h - h0) * len;
+    float *sh = scores + (h - h0) * n_keys;
     float top = -FLT_MAX;
-    for (int64_t t = 0; t < len; ++t) top = sh[t] > top ? sh[t] : top;
+    for (int64_t t = 0; t < n_keys; ++t) top = sh[t] > top ? sh[t] : top;
     float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = 0; t < n_keys; ++t) {
       sh[t] = expf(sh[t] - top);
       sum += sh[t];
     }
     const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) sh[t] *= inv;
+    for (int64_t t = 0; t < n_keys; ++t) sh[t] *= inv;
   }
   for (int64_t i = h0 * hd; i < h1 * hd; ++i) o[i] = 0.f;
-  for (int64_t b = 0; b < num_blocks; ++b) {
+  for (int64_t b = first / bs; b < num_blocks; ++b) {
     const int64_t t0 = b * bs;
     const int64_t n = len - t0 < bs ? len - t0 : bs;
     const float *v = v_cache + (int64_t)table[b] * block_stride;
     const float *next = b + 1 < num_blocks ? v_cache + (int64_t)table[b + 1] * block_stride : NULL;
     for (int64_t t = 0; t < n; ++t, v += s->slot_stride) {
       if (next) prefetch_row(next + t * s->slot_stride, s->slot_stride);
+      if (t0 + t < first) continue;
       for (int64_t h = h0; h < h1; ++h) {
-        const float p = scores[(h - h0) * len + t0 + t];
+        const float p = scores[(h - h0) * n_keys + t0 + t - first];
         const float *vh = v + (h / s->group) * hd;
         float *oh = o + h * hd;
         for (int64_t i = 0; i < hd; ++i) oh[i] += p * vh[i];
@@ -100,7 +105,7 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                const int32_t *tables, int64_t table_stride,
                                const int32_t *seq_lens, float *out, int64_t num_seqs,
                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale) {
+                               int64_t block_size, float scale, int64_t window) {
   const Shape s = {num_heads, num_heads / num_kv_heads, num_kv_heads * head_dim, head_dim,
                    block_size, scale};
   /* Whole sequences per item when there are enough to share out; else one KV head each. */
@@ -117,8 +122,10 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
     for (int64_t item = 0; item < num_seqs * parts; ++item) {
       if (failed) continue;
       const int64_t d = item / parts, h0 = (item % parts) * heads_per_part;
+      const int64_t len = seq_lens[d];
+      const int64_t first = window > 0 && len > window ? len - window : 0;
       attend(&s, q + d * num_heads * head_dim, out + d * num_heads * head_dim, k_cache,
-             v_cache, tables + d * table_stride, seq_lens[d], h0, h0 + heads_per_part, scores);
+             v_cache, tables + d * table_stride, first, len, h0, h0 + heads_per_part, scores);
     }
     free(scores);
   }

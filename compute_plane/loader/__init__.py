@@ -73,6 +73,8 @@ def _expected_names(cfg: ModelConfig) -> list[str]:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        if cfg.sandwich_norms:
+            names += [p + f"{x}_feedforward_layernorm.weight" for x in ("pre", "post")]
     return names
 
 

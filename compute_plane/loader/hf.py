@@ -20,6 +20,7 @@ _ARCHITECTURES = {
     "MistralForCausalLM": ("mistral", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    "Gemma3ForCausalLM": ("gemma3", False, True),
 }
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -75,6 +76,9 @@ def read_config(folder: Path) -> ModelConfig:
     arch, bias, qk_norm = _ARCHITECTURES[known[0]]
     heads = int(cfg["num_attention_heads"])
     theta, scaling = _rope(cfg)
+    gemma = _gemma3(folder, cfg) if arch == "gemma3" else {}
+    if arch == "gemma3":
+        theta, scaling = _rope(cfg, "full_attention")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(cfg["vocab_size"]),
@@ -87,7 +91,7 @@ def read_config(folder: Path) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == "gemma3")),
         # Qwen2 has no such field (its q/k/v always carry a bias); Llama/Qwen3 say so in config.
         attention_bias=bool(cfg.get("attention_bias", bias)),
         qk_norm=qk_norm,
@@ -95,16 +99,53 @@ def read_config(folder: Path) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(folder, cfg),
         name=folder.name,
+        **gemma,
     )
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _gemma3(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's ModelConfig fields from its config.json (text model)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise UnsupportedModelError(f"{folder}: {key} is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{folder}: use_bidirectional_attention is not supported")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise UnsupportedModelError(f"{folder}: unsupported hidden_activation {act!r}")
+    n = int(cfg["num_hidden_layers"])
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)
+    ]
+    local_theta, local_scaling = _rope(cfg, "sliding_attention")
+    if local_scaling is not None:
+        raise UnsupportedModelError(f"{folder}: rope scaling on sliding layers is not supported")
+    return {
+        "norm_weight_offset": 1.0,
+        "embedding_scale": float(cfg["hidden_size"]) ** 0.5,
+        "sandwich_norms": True,
+        "hidden_act": "gelu_tanh",
+        "attention_scale": float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]) ** -0.5,
+        "sliding_window": int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+        "layer_types": tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+        "rope_local_theta": float(cfg.get("rope_local_base_freq") or local_theta),
+    }
+
+
+def _rope(
+    cfg: dict[str, Any], layer_type: str | None = None
+) -> tuple[float, dict[str, Any] | None]:
     """rope_theta and an HF-style scaling dict (None for plain rotary).
 
     transformers 4 writes `rope_theta` + `rope_scaling`; transformers 5 writes one
-    `rope_parameters` dict holding both.
+    `rope_parameters` dict holding both, per layer type where they differ (Gemma 3).
     """
     params = dict(cfg.get("rope_parameters") or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif layer_type == "sliding_attention":
+        return float(cfg.get("rope_local_base_freq") or 10000.0), None
     scaling = dict(cfg.get("rope_scaling") or params)
     theta = float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
     scaling.pop("rope_theta", None)

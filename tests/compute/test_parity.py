@@ -30,7 +30,11 @@ BLOCK = 4
 
 
 def _engine(
-    path: Path, block_size: int = BLOCK, quantization: str = "auto", fused: bool = False
+    path: Path,
+    block_size: int = BLOCK,
+    quantization: str = "auto",
+    fused: bool = False,
+    backend: str = "cpu",
 ) -> Engine:
     cfg = ComputeConfig(
         model=str(path),
@@ -38,10 +42,11 @@ def _engine(
         kv_cache_bytes=64 << 20,
         quantization=quantization,
         cpu_activations="fp32",  # exact; int16's rounding: tests/compute/test_quant.py
+        attention_backend=backend,
     )
     engine = Engine(cfg, load_for(cfg, path))
     # The default CPU backend: decodes by the C kernel, prefill chunks by SDPA.
-    assert engine.describe().attention_backend == "cpu"
+    assert engine.describe().attention_backend == backend
     # ... and the linear layers by oneDNN where this torch has it (so parity covers it).
     if torch.backends.mkldnn.is_available():
         assert engine.model.dense_linear is onednn_linear
@@ -61,7 +66,8 @@ def _dequantized_int8(model):  # type: ignore[no-untyped-def]
     return model
 
 
-CASES = ["llama", "llama3-rope", "qwen2", "qwen3", "smollm2", "smollm2-q4"]
+CASES = ["llama", "llama3-rope", "qwen2", "qwen3", "gemma3", "gemma3-torch"]
+CASES += ["smollm2", "smollm2-q4"]
 CASES += ["llama-int8", "qwen2-int8", "qwen3-int8"]
 
 
@@ -78,6 +84,9 @@ def case(request, tmp_path_factory, smollm2_path):  # type: ignore[no-untyped-de
     if name.endswith("-int8"):
         ref = _dequantized_int8(make_tiny_model(name.removesuffix("-int8"), out))
         return _engine(out, quantization="int8", fused=True), ref
+    if name == "gemma3-torch":  # decodes by the torch backend's windowed masks
+        ref = make_tiny_model("gemma3", out)
+        return _engine(out, backend="torch"), ref
     if name == "llama3-rope":
         scaling = {
             "rope_type": "llama3",
@@ -174,3 +183,14 @@ def test_prefix_already_in_cached_blocks(case) -> None:  # type: ignore[no-untyp
     assert sum(len(x) for x in engine.captured_logits["second"]) == half + 2  # only the suffix ran
     _check(engine, ref, "second", start=half)
     engine.step(drv.step(finished=["second"]))
+
+
+def test_prefill_then_32_decodes(case) -> None:  # type: ignore[no-untyped-def]
+    """A 20-token prompt and 32 decode steps (Gemma 3: well past its tiny model's window)."""
+    engine, ref = case
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=6)
+    prompt = _tokens(engine, 20, seed=6)
+    engine.step(drv.step(new=[drv.new("long", prompt, len(prompt))]))
+    _decode(engine, drv, ["long"], 32)
+    _check(engine, ref, "long")
+    engine.step(drv.step(finished=["long"]))
