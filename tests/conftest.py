@@ -60,7 +60,9 @@ def make_tiny_model(arch: str, out: Path, *, seed: int = 0, **overrides: object)
         # prompts, the two rotary bases, and a query scale that is not head_dim's.
         common.update(num_hidden_layers=3, tie_word_embeddings=True, query_pre_attn_scalar=24)
         common.setdefault("sliding_window", 6)
-        common.setdefault("layer_types", ["sliding_attention", "sliding_attention", "full_attention"])
+        common.setdefault(
+            "layer_types", ["sliding_attention", "sliding_attention", "full_attention"]
+        )
         common.setdefault(
             "rope_parameters",
             {
