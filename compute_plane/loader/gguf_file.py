@@ -16,7 +16,7 @@ from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
 from compute_plane.quant import QuantWeight, from_gguf
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -30,6 +30,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3's sandwich: its ffn_norm is the pre-MLP norm, post_attention_norm normalises the
+# attention's output (Llama's post_attention_layernorm is its pre-MLP norm).
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# What llama.cpp fixes for Gemma 3 rather than writing it into the file.
+_GEMMA3_SLIDING_PATTERN = 6  # every 6th layer global, the others sliding
+_GEMMA3_LOCAL_THETA = 10000.0
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -51,11 +61,11 @@ class _Reader(GGUFReader):
         return super()._build_fields(*args, **kwargs)
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
-        part = _LAYER_NAMES.get(m[2])
+        part = (_GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES).get(m[2])
         return f"model.layers.{m[1]}.{part}.{m[3]}" if part else None
     base, _, kind = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
@@ -91,7 +101,7 @@ def load_gguf(
         disable=None if progress else True,
     )
     for t in bar:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         if name is None:
             if t.name == "rope_freqs.weight":
                 # Llama 3.1-style per-frequency rope factors: not expressible in rope_scaling.
@@ -113,6 +123,9 @@ def load_gguf(
         w = dequantize(t.data, t.tensor_type).reshape(shape)
         if rotary:
             w = unpermute_rotary(w, heads)
+        if config.norm_weight_offset and t.name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norms as offset + w; Hugging Face names hold w.
+            w = w - np.float32(config.norm_weight_offset)
         # Copies only unquantised tensors: they are views of the read-only mmap.
         weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(dtype)
     return config, weights
@@ -142,6 +155,21 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     n_head, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = (_field(reader, f"tokenizer.ggml.{k}") for k in _EOG_KEYS)
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        n, head_dim = int(meta("block_count")), int(meta("attention.key_length"))
+        gemma = {
+            "norm_weight_offset": 1.0,
+            "embedding_scale": float(hidden) ** 0.5,
+            "sandwich_norms": True,
+            "hidden_act": "gelu_tanh",
+            "attention_scale": float(head_dim) ** -0.5,
+            "sliding_window": int(meta("attention.sliding_window")),
+            "layer_types": tuple(
+                "sliding" if (i + 1) % _GEMMA3_SLIDING_PATTERN else "full" for i in range(n)
+            ),
+            "rope_local_theta": _GEMMA3_LOCAL_THETA,
+        }
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -161,6 +189,7 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         name=str(_field(reader, "general.name", path.stem)),
+        **gemma,
     )
 
 

