@@ -95,10 +95,7 @@ class Engine:
         self.quantization = resolve_quantization(config.quantization, self.device, self.dtype)
         cfg = loaded.config
         self.block_size = config.block_size
-        sliding = "sliding" in cfg.layer_types
-        backend = resolve_attention_backend(
-            config.attention_backend, self.device, self.dtype, sliding
-        )
+        backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         kernels = model_kernels(backend, cfg, self.device)
         self.model, num_blocks = self._model_and_pool(loaded, kernels)
         self.max_model_len = min(self.model_max_len, (num_blocks - 1) * self.block_size)

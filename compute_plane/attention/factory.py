@@ -20,21 +20,12 @@ from compute_plane.rotary import RotaryEmbedding
 log = logging.getLogger(__name__)
 
 
-def resolve_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype, sliding_window: bool = False
-) -> str:
+def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     """auto = triton on CUDA; on the CPU the C kernel for fp32 (torch where it can't be built,
-    or for other dtypes). triton on the CPU is the interpreter's test mode. The Triton
-    kernels have no sliding window yet: models with sliding-window layers (Gemma 3) run
-    the torch backend on CUDA."""
-    if name == "triton" and sliding_window:
-        raise ValueError(
-            "attention backend 'triton' has no sliding-window attention yet (this model's "
-            "layers need it); use --attention-backend torch"
-        )
+    or for other dtypes). triton on the CPU is the interpreter's test mode."""
     if name == "auto":
         if device.type == "cuda":
-            name = "torch" if sliding_window else "triton"
+            name = "triton"
         elif dtype != torch.float32:
             name = "torch"
         else:

@@ -55,8 +55,6 @@ class TritonPagedAttention:
         meta: AttentionMetadata,
         window: int | None = None,
     ) -> torch.Tensor:
-        if window is not None:  # resolve_attention_backend keeps such models off Triton
-            raise ValueError("the Triton attention kernels have no sliding window")
         cache_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         lens = meta.seq_lens_tensor
         assert lens is not None, "prepare() first"
@@ -66,13 +64,13 @@ class TritonPagedAttention:
         if d:
             paged_decode_attention(
                 q[:d], k_cache, v_cache, meta.block_tables[:d], lens[:d], self.scale,
-                meta.num_splits, out=out[:d],
+                meta.num_splits, out=out[:d], window=window,
             )  # fmt: skip
         if d < len(meta.seq_lens):
             assert meta.query_start_loc is not None, "prepare() first"
             paged_prefill_attention(
                 q[d:], k_cache, v_cache, meta.block_tables[d:], lens[d:], meta.query_start_loc,
-                max(meta.query_lens[d:]), self.scale, out=out[d:],
+                max(meta.query_lens[d:]), self.scale, out=out[d:], window=window,
             )  # fmt: skip
         return out
 

@@ -44,6 +44,7 @@ def _decode_split(
     out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial outputs [B, H, NUM_SPLITS, D] fp32
     lse_ptr,  # [B, H, NUM_SPLITS] fp32 (unused when NUM_SPLITS == 1)
     scale,
+    window,  # > 0: a sliding-window layer's, only the last `window` tokens; 0: all
     stride_qb,
     stride_qh,
     stride_kn,
@@ -69,8 +70,11 @@ def _decode_split(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    first = 0
+    if window > 0:
+        first = tl.maximum(seq_len - window, 0)  # blocks before it are never read
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -187,11 +191,13 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """softmax(q·Kᵀ·scale)·V over each sequence's first seq_len cached tokens; returns [B, H, D].
+    """softmax(q·Kᵀ·scale)·V over each sequence's first seq_len cached tokens (with a
+    `window`, only the last `window` of them); returns [B, H, D].
 
     Reads only; the caller has written the new token's K/V into the cache already.
-    `num_splits` > 1 splits each context into that many parts (flash-decoding).
+    `num_splits` > 1 splits each context (or window) into that many parts (flash-decoding).
     """
     b, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
@@ -219,7 +225,7 @@ def paged_decode_attention(
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if num_splits == 1:
         _decode_split[(b, kvh, 1)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, out, scale,
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, scale, window or 0,
             q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
             out.stride(0), out.stride(1), 0, **common,
         )  # fmt: skip
@@ -227,7 +233,7 @@ def paged_decode_attention(
     parts = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     _decode_split[(b, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, parts, lse, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, parts, lse, scale, window or 0,
         q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), **common,
     )  # fmt: skip

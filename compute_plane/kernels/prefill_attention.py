@@ -34,6 +34,7 @@ def _prefill(
     q_start,  # [P + 1] int32: chunk p's queries are rows q_start[p] .. q_start[p + 1]
     out_ptr,  # [T, H, D]
     scale,
+    window,  # > 0: query at position p sees keys p - window + 1 .. p only; 0: all
     stride_qt,
     stride_qh,
     stride_kn,
@@ -82,7 +83,10 @@ def _prefill(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables + chunk * stride_bt
     hi = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if window > 0:  # nothing before the tile's first query's window is read
+        lo = tl.maximum(prefix + tile * BLOCK_M - window + 1, 0)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -90,11 +94,16 @@ def _prefill(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = load_paged_rows(k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        # Key 0 is visible to every row, so no row is all -inf after the first tile.
-        s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        if window > 0:
+            seen = seen & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        # A row may see no key of a tile yet (a window starts later for later rows):
+        # exponents against 0 then, not -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_paged_rows(v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
@@ -118,8 +127,10 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each chunk's queries over its paged prefix and itself; [T, H, D]."""
+    """Causal attention of each chunk's queries over its paged prefix and itself (with a
+    `window`, over the last `window` positions up to each query's own); [T, H, D]."""
     t, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
@@ -136,7 +147,7 @@ def paged_prefill_attention(
         block_m, block_n = (64, 64) if block_d <= 128 else (64, 32)
     grid = (p, triton.cdiv(max_query_len, block_m), h)
     _prefill[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, q_start, out, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, q_start, out, scale, window or 0,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=h // kvh, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,

@@ -131,3 +131,34 @@ def test_compiler_errors_are_reported(monkeypatch, tmp_path) -> None:  # type: i
         assert not list((tmp_path / "cache").glob("*.so")), "no half-built library is kept"
     finally:
         _clear()
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window_reads_only_the_window(window: int) -> None:
+    """Each query sees its last `window` tokens; blocks wholly before them point at a NaN
+    block and are never read (the control plane may have reused them)."""
+    lens = [1, 9, 23, 64]
+    cache = PagedCache(40, 4, 2, 36, torch.float32, window)
+    tables = cache.tables(lens).to(CPU)
+    q = torch.randn(len(lens), 6, 36, generator=torch.Generator().manual_seed(window))
+    expected = []
+    for i, n in enumerate(lens):
+        k, v = cache.context(tables[i], n)
+        expected.append(attend(q[i], k[max(0, n - window) :], v[max(0, n - window) :], 1 / 6))
+    cache.k[0], cache.v[0] = float("nan"), float("nan")
+    for i, n in enumerate(lens):
+        tables[i, : max(0, n - window) // 4] = 0
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_tables=tables,
+        seq_lens=lens,
+        query_lens=[1] * len(lens),
+        num_decodes=len(lens),
+        block_size=4,
+    )
+    backend = CPUPagedAttention(1 / 6)
+    backend.prepare(meta)
+    out = backend.decode(q, cache.k, cache.v, meta, window)
+    for i, n in enumerate(lens):
+        err = (out[i].double() - expected[i]).abs().max().item()
+        assert err <= 1e-4, f"sequence {i} (len {n}): max abs error {err:.2e}"

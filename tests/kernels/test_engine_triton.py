@@ -61,10 +61,13 @@ def test_backend_matches_torch_backend_on_a_mixed_step() -> None:
     assert err <= 1e-4, f"max abs difference {err:.2e}"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """A Qwen3-shaped model (q/k norm, GQA 2:1, head dim 80), and transformers' copy of it."""
-    out = tmp_path_factory.mktemp("qwen3")
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A Qwen3-shaped model (q/k norm, GQA 2:1, head dim 80), or a Gemma 3 one (two
+    sliding-window layers of 6 and a global one), and transformers' copy of it."""
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "gemma3":
+        return out, make_tiny_model("gemma3", out)
     ref = make_tiny_model("qwen3", out, head_dim=80, num_hidden_layers=2)
     return out, ref
 

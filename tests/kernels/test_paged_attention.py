@@ -107,3 +107,76 @@ def test_prefill_chunks(
             expected = attend(q[row], k[: prefix + j + 1], v[: prefix + j + 1], scale)
             err = (out[row].double() - expected).abs().max().item()
             assert err <= TOL[dtype], f"chunk {i} query {j}: max abs error {err:.2e}"
+
+
+def _forget_before(cache: PagedCache, tables: torch.Tensor, first: list[int]) -> torch.Tensor:
+    """The tables with every block wholly before position first[i] pointing at block 0,
+    filled with NaN: a kernel that reads outside a window returns NaN."""
+    cache.k[0], cache.v[0] = float("nan"), float("nan")
+    out = tables.clone()
+    for i, f in enumerate(first):
+        out[i, : f // cache.block_size] = 0
+    return out
+
+
+# (query heads, KV heads, head dim, block size, context lengths, splits, window).
+WINDOW_DECODE_CASES = [
+    pytest.param(4, 2, 64, 4, [1, 9, 23], 1, 6, id="w6-bs4"),
+    pytest.param(8, 2, 80, 8, [40, 3, 17], 3, 10, id="w10-bs8-split3"),
+    pytest.param(4, 1, 64, 16, [64, 5, 70], 4, 16, id="w16-bs16-split4"),
+]
+
+
+@pytest.mark.parametrize(("h", "kvh", "d", "bs", "lens", "splits", "window"), WINDOW_DECODE_CASES)
+def test_decode_sliding_window(
+    h: int, kvh: int, d: int, bs: int, lens: list[int], splits: int, window: int
+) -> None:
+    """Each query sees its last `window` tokens; blocks before them are never read."""
+    cache = PagedCache(32, bs, kvh, d, torch.float32, seed=window)
+    tables = cache.tables(lens)
+    q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    scale = d**-0.5
+    expected = []
+    for i, n in enumerate(lens):
+        k, v = cache.context(tables[i], n)
+        expected.append(attend(q[i], k[max(0, n - window) :], v[max(0, n - window) :], scale))
+    poisoned = _forget_before(cache, tables, [max(0, n - window) for n in lens])
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    out = paged_decode_attention(
+        q, cache.k, cache.v, poisoned, seq_lens, scale, num_splits=splits, window=window
+    )
+    for i, n in enumerate(lens):
+        err = (out[i].double() - expected[i]).abs().max().item()
+        assert err <= TOL[torch.float32], f"sequence {i} (len {n}): max abs error {err:.2e}"
+
+
+def test_prefill_sliding_window() -> None:
+    """Query at position p sees keys p - window + 1 .. p: within a chunk longer than the
+    window, across a cached prefix, and a chunk shorter than it."""
+    h, kvh, d, bs, window = 4, 2, 64, 4, 6
+    chunks = [(0, 21), (13, 5), (3, 2)]
+    lens = [p + c for p, c in chunks]
+    cache = PagedCache(32, bs, kvh, d, torch.float32, seed=9)
+    tables = cache.tables(lens)
+    total = sum(c for _, c in chunks)
+    q = torch.randn(total, h, d, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    starts = [0]
+    for _, c in chunks:
+        starts.append(starts[-1] + c)
+    scale = d**-0.5
+    expected = {}
+    for i, (prefix, c) in enumerate(chunks):
+        k, v = cache.context(tables[i], prefix + c)
+        for j in range(c):
+            lo, hi = max(0, prefix + j + 1 - window), prefix + j + 1
+            expected[starts[i] + j] = attend(q[starts[i] + j], k[lo:hi], v[lo:hi], scale)
+    poisoned = _forget_before(cache, tables, [max(0, p + 1 - window) for p, _ in chunks])
+    out = paged_prefill_attention(
+        q, cache.k, cache.v, poisoned,
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        max(c for _, c in chunks), scale, window=window,
+    )  # fmt: skip
+    for row, exp in expected.items():
+        err = (out[row].double() - exp).abs().max().item()
+        assert err <= TOL[torch.float32], f"row {row}: max abs error {err:.2e}"
