@@ -209,6 +209,7 @@ class Engine:
             head_dim=cfg.head_dim,
             weight_bytes=self.model.weight_bytes,
             quantization=self.quantization or "",
+            sliding_window=cfg.max_window or 0,
             hidden_size=cfg.hidden_size,
             kv_cache_bytes=self.kv_cache.nbytes,
             bos_token_id=-1 if cfg.bos_token_id is None else cfg.bos_token_id,

@@ -30,10 +30,23 @@ class KVCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        window: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
+        # Every layer of the model sees only the last `window` positions: blocks that left
+        # it are given back while the request runs (release_outside_window).
+        self.window = window
         self._tables: dict[str, list[Block]] = {}
+        # Leading entries of a table given back (outside the window): they still map the
+        # request's positions to block ids, which the compute plane never reads, but the
+        # request no longer holds them.
+        self._released: dict[str, int] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already indexed
         self._last_hash: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up
@@ -76,13 +89,21 @@ class BlockManager:
         bs = self.block_size
         filled: dict[int, int] = {}
         for req in requests:
-            for i, block in enumerate(self._tables.get(req.request_id, ())):
+            table = self._tables.get(req.request_id, [])
+            for i in range(self._released.get(req.request_id, 0), len(table)):
+                block = table[i]
                 n = min(bs, max(0, req.num_tokens - i * bs))
                 filled[block.block_id] = max(n, filled.get(block.block_id, 0))
         return sum(filled.values()), len(filled) * bs
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's page table: every position's block (given-back ones included)."""
         return [b.block_id for b in self._tables.get(request_id, [])]
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The blocks the request still holds (the page table less those given back)."""
+        start = self._released.get(request_id, 0)
+        return [b.block_id for b in self._tables.get(request_id, [])[start:]]
 
     def find_prefix(self, req: Request) -> list[Block]:
         """Cached blocks holding a prefix of `req`, capped so at least one token is left to compute."""
@@ -153,6 +174,8 @@ class BlockManager:
         if child.request_id in self._tables:
             raise IntegrityError(f"fork into {child.request_id!r}, which holds blocks")
         n = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
+        if self._released.get(parent.request_id):
+            n = 0  # the window the child's next tokens need is partly gone: recompute
         shared = self._tables[parent.request_id][:n]
         self.pool.share(shared)
         self._tables[child.request_id] = list(shared)
@@ -161,13 +184,32 @@ class BlockManager:
         child.num_computed_tokens = n * self.block_size
         return child.num_computed_tokens
 
+    def release_outside_window(self, req: Request) -> list[int]:
+        """Give back the request's blocks that every later query of it is past: with
+        `window`, the query at position p sees positions > p - window, and the next query
+        is at num_computed_tokens or later. They are indexed for the prefix cache first,
+        while still held. Returns the block ids given back."""
+        if self.window is None:
+            return []
+        rid = req.request_id
+        table = self._tables[rid]
+        done = self._released.get(rid, 0)
+        dead = min(len(table), max(0, req.num_computed_tokens - self.window + 1) // self.block_size)
+        if dead <= done:
+            return []
+        self.cache_computed(req)
+        self.pool.release(table[done:dead])
+        self._released[rid] = dead
+        return [b.block_id for b in table[done:dead]]
+
     def free(self, req: Request) -> None:
         """Give back the request's blocks, tail first so its last blocks are evicted first."""
         table = self._tables.pop(req.request_id, None)
         self._num_hashed.pop(req.request_id, None)
         self._last_hash.pop(req.request_id, None)
+        done = self._released.pop(req.request_id, 0)
         if table:
-            self.pool.release(table[::-1])
+            self.pool.release(table[done:][::-1])
 
     def check_integrity(self) -> None:
         """Pool consistency, and refcounts equal the number of tables holding each block.
@@ -175,8 +217,8 @@ class BlockManager:
         Walks every table: O(blocks + held blocks). Raises IntegrityError."""
         self.pool.check_integrity()
         holders = [0] * self.pool.num_blocks
-        for table in self._tables.values():
-            for b in table:
+        for rid, table in self._tables.items():
+            for b in table[self._released.get(rid, 0) :]:
                 holders[b.block_id] += 1
         for b in self.pool.blocks:
             if b.ref_cnt != holders[b.block_id]:

@@ -151,6 +151,7 @@ class ControlEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_waiting=self.config.max_waiting,
             enable_prefix_caching=self.config.enable_prefix_caching,
+            sliding_window=d.sliding_window or None,
         )
         self.description = d
         self._compute_draining = False

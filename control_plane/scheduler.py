@@ -87,8 +87,12 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         max_waiting: int = 1024,
         enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
     ) -> None:
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # sliding_window: every layer of the model sees only that many latest positions.
+        self.block_manager = BlockManager(
+            num_blocks, block_size, enable_prefix_caching, sliding_window
+        )
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -257,6 +261,8 @@ class Scheduler:
         """Apply a step's result: advance progress, append sampled tokens, finish requests."""
         finished = []
         cache_computed = self.block_manager.cache_computed
+        release = self.block_manager.release_outside_window
+        window = self.block_manager.window
         bs = self.block_manager.block_size
         forks = self.pending_forks
         running = Status.RUNNING
@@ -269,6 +275,8 @@ class Scheduler:
             # up from where it last stopped, so skipping the calls in between loses nothing.
             if n > 1 or computed % bs == 0:
                 cache_computed(req)
+            if window:
+                release(req)
             if (
                 forks
                 and req.request_id in forks

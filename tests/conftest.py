@@ -8,7 +8,7 @@ import pytest
 
 from hetero_common.model_path import bundled_gguf
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +52,7 @@ def make_tiny_model(arch: str, out: Path, *, seed: int = 0, **overrides: object)
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
     if arch in ("qwen3", "gemma3"):
         common.setdefault("head_dim", 16)

@@ -76,7 +76,7 @@ def read_config(folder: Path) -> ModelConfig:
     arch, bias, qk_norm = _ARCHITECTURES[known[0]]
     heads = int(cfg["num_attention_heads"])
     theta, scaling = _rope(cfg)
-    gemma = _gemma3(folder, cfg) if arch == "gemma3" else {}
+    gemma = _gemma3(folder, cfg) if arch == "gemma3" else _windows(cfg, arch)
     if arch == "gemma3":
         theta, scaling = _rope(cfg, "full_attention")
     return ModelConfig(
@@ -101,6 +101,25 @@ def read_config(folder: Path) -> ModelConfig:
         name=folder.name,
         **gemma,
     )
+
+
+def _windows(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Sliding-window layers of Mistral (every layer, when config.json has a window) and
+    Qwen2 (use_sliding_window: the layers from max_window_layers on), as transformers."""
+    n, window = int(cfg["num_hidden_layers"]), cfg.get("sliding_window")
+    if arch == "qwen2" and not cfg.get("use_sliding_window"):
+        window = None
+    types = cfg.get("layer_types")
+    if not window:
+        return {}
+    if types:
+        kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+    elif arch == "qwen2":
+        first = int(cfg.get("max_window_layers", n))
+        kinds = tuple("sliding" if i >= first else "full" for i in range(n))
+    else:
+        kinds = ("sliding",) * n
+    return {"sliding_window": int(window), "layer_types": kinds} if "sliding" in kinds else {}
 
 
 def _gemma3(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -194,3 +194,23 @@ def test_prefill_then_32_decodes(case) -> None:  # type: ignore[no-untyped-def]
     _decode(engine, drv, ["long"], 32)
     _check(engine, ref, "long")
     engine.step(drv.step(finished=["long"]))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_blocks_that_left_the_window_may_hold_another_request(backend, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Mistral with a window of 6 in every layer (Describe says so, and the control plane
+    then gives back blocks behind the window): once "long" is past its first blocks, they
+    go to "other", whose K/V overwrite them, and "long" still matches transformers."""
+    ref = make_tiny_model("mistral", tmp_path, sliding_window=6)
+    engine = _engine(tmp_path, backend=backend)
+    assert engine.describe().sliding_window == 6
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=7)
+    prompt = _tokens(engine, 14, seed=7)
+    engine.step(drv.step(new=[drv.new("long", prompt, len(prompt))]))
+    _decode(engine, drv, ["long"], 3)  # the next query is at 17: it sees 12..17
+    dead = drv.tables["long"][:3]  # positions 0..11
+    other = _tokens(engine, 12, seed=8)
+    engine.step(drv.step(new=[drv.new("other", other, len(other), shared_blocks=dead)]))
+    _decode(engine, drv, ["long", "other"], 20)
+    _check(engine, ref, "long")
+    _check(engine, ref, "other")

@@ -192,3 +192,92 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def _advance(bm: BlockManager, req: Request, token: int) -> list[int] | None:
+    """Append a token, room for it, compute it; then give back what left the window."""
+    req.token_ids.append(token)
+    if bm.allocate(req, 1) is None:
+        req.token_ids.pop()
+        return None
+    _compute_all(bm, req)
+    return bm.release_outside_window(req)
+
+
+def test_blocks_that_left_the_window_are_given_back() -> None:
+    """window 5, blocks of 4: the query at position p sees p - 4 .. p, so block i goes
+    once the next query is at 4i + 8 (after that many tokens are computed)."""
+    bm = BlockManager(num_blocks=6, block_size=BS, window=5)  # usable: 1..5
+    a = _req("a", list(range(7)))
+    assert _admit(bm, a) == [1, 2]
+    _compute_all(bm, a)
+    assert bm.release_outside_window(a) == []  # next query at 7 sees 3..7: block 1 needed
+    assert _advance(bm, a, 7) == [1]  # next query at 8 sees 4..8: block 1 (0..3) is out
+    assert bm.block_ids("a") == [1, 2] and bm.held_block_ids("a") == [2]
+    assert bm.num_free_blocks == 4 and bm.pool.blocks[1].ref_cnt == 0
+    assert list(bm.pool.free) == [3, 4, 5, 1]  # cached before it went: evicted last
+    bm.check_integrity()
+    for t in range(8, 11):
+        assert _advance(bm, a, t) == []
+    assert bm.block_ids("a") == [1, 2, 3]
+    assert _advance(bm, a, 11) == [2]  # next query at 12 sees 8..12
+    assert list(bm.pool.free) == [4, 5, 1, 2]
+    # A new request with a's first block of tokens hits it in the prefix cache.
+    b = _req("b", [0, 1, 2, 3, 99])
+    assert _admit(bm, b) == [4] and bm.block_ids("b") == [1, 4]
+    assert bm.pool.blocks[1].ref_cnt == 1
+    bm.check_integrity()
+    bm.free(a)  # only the blocks a still holds go back
+    bm.free(b)
+    assert bm.num_free_blocks == 5
+    bm.check_integrity()
+
+
+def test_a_fork_of_a_request_past_its_window_recomputes() -> None:
+    bm = BlockManager(num_blocks=10, block_size=BS, window=4)
+    parent = _req("p", list(range(10)))
+    _admit(bm, parent)
+    _compute_all(bm, parent)
+    assert bm.release_outside_window(parent) == [1]  # next query at 10 sees 7..10
+    child = _req("c", list(range(10)))
+    assert bm.fork(parent, child) == 0 and bm.block_ids("c") == []
+    bm.check_integrity()
+
+
+class WindowedPoolMachine(PoolMachine):
+    """The same operations with a window of 6: appends give back what left it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(num_blocks=10, block_size=BS, window=6)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def append(self, data: st.DataObject) -> None:
+        req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        _advance(self.bm, req, data.draw(st.integers(0, 2)))
+
+    @invariant()
+    def consistent(self) -> None:
+        self.bm.check_integrity()
+        owners: dict[int, list[tuple[str, int]]] = {}
+        for rid, req in self.live.items():
+            table = self.bm.block_ids(rid)
+            held = self.bm.held_block_ids(rid)
+            assert len(table) * BS >= req.num_tokens and table[len(table) - len(held) :] == held
+            # What a later query needs (positions > num_computed - 6) is all held.
+            first_needed = max(0, req.num_computed_tokens - 6 + 1) // BS
+            assert len(table) - len(held) <= first_needed
+            for pos in range(len(table) - len(held), len(table)):
+                owners.setdefault(table[pos], []).append((rid, pos))
+        for b, holders in owners.items():
+            contents = {
+                tuple(self.live[rid].token_ids[pos * BS : (pos + 1) * BS]) for rid, pos in holders
+            }
+            assert len(holders) == 1 or len(contents) == 1, (
+                f"block {b} shared by different contents"
+            )
+
+
+TestWindowedPoolMachine = WindowedPoolMachine.TestCase
+TestWindowedPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

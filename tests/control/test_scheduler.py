@@ -291,3 +291,31 @@ def test_preempting_a_decode_that_got_a_block_this_step_returns_it() -> None:
     ] == [("P", [3], 3)]
     assert out.num_tokens == 3
     sched.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_sliding_window_gives_back_blocks_instead_of_preempting(window: int | None) -> None:
+    """Two requests of 30 tokens need 8 blocks of 4 each; the pool has 8. Without a window
+    one is preempted; with every layer's window at 5 each holds ~3 and neither is. The
+    blocks covering what a request's next query sees are never another request's."""
+    sched = Scheduler(
+        num_blocks=9, block_size=BS, max_model_len=32, max_num_batched_tokens=64,
+        sliding_window=window,
+    )  # fmt: skip
+    reqs = [Request(f"r{i}", [5 + i] * 10, max_tokens=20, ignore_eos=True) for i in range(2)]
+    compute = FakeCompute(random.Random(0))
+    for r in reqs:
+        sched.add_request(r)
+    while sched.has_work:
+        out = sched.schedule()
+        sampled = compute.step(out)
+        _check_step(sched, out, compute)
+        sched.update(out, sampled)
+        seen: dict[int, str] = {}
+        for req in sched.running:
+            table = sched.block_manager.block_ids(req.request_id)
+            first = max(0, req.num_computed_tokens - (window or 10**9) + 1) // BS
+            for b in table[first:]:
+                assert seen.setdefault(b, req.request_id) == req.request_id, f"block {b}"
+    assert all(r.num_output_tokens == 20 for r in reqs)
+    assert (sched.num_preemptions > 0) == (window is None)
