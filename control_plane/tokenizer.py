@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from control_plane.chat_template import render_chat
 
@@ -136,21 +136,24 @@ def load_tokenizer(path: Path) -> TokenizerWrapper:
 
 
 def _from_gguf(path: Path) -> TokenizerWrapper:
-    from gguf import GGUFReader
+    from hetero_common.gguf_reader import FastGGUFReader
 
-    reader = GGUFReader(path)
+    reader = FastGGUFReader(path)
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
     kind = field("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise TokenizerError(
-            f"{path}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)"
-        )
     tokens: list[str] = field("tokenizer.ggml.tokens")
     types: list[int] = field("tokenizer.ggml.token_type", [1] * len(tokens))
+    if kind == "llama" and not field("tokenizer.ggml.add_space_prefix", True):
+        return _gemma_from_gguf(field, tokens, types)
+    if kind != "gpt2":
+        raise TokenizerError(
+            f"{path}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE, and "
+            "'llama' SentencePiece BPE without a prefix space, as Gemma's)"
+        )
     merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     pre = field("tokenizer.ggml.pre", "default")
@@ -181,6 +184,56 @@ def _from_gguf(path: Path) -> TokenizerWrapper:
     return TokenizerWrapper(
         tok,
         byte_level=True,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=() if eos is None else (int(eos),),
+        add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
+        chat_template=field("tokenizer.chat_template"),
+        special_ids=special,
+    )
+
+
+def _gemma_from_gguf(field: Any, tokens: list[str], types: list[int]) -> TokenizerWrapper:
+    """A SentencePiece BPE vocabulary (Gemma's GGUF: `llama` model, no prefix space) as a
+    `tokenizers` BPE with byte fallback. The file lists no merges: they are rebuilt from
+    the vocabulary, each token's splits into two tokens, ranked by the token's place in
+    the file (Gemma's merge order; its scores do not follow it). Runs of spaces are
+    stored as real spaces but looked up as "▁"s."""
+    spaces = {i for i, t in enumerate(tokens) if t and not t.strip(" ")}
+    pieces = ["▁" * len(t) if i in spaces else t for i, t in enumerate(tokens)]
+    vocab = {t: i for i, t in enumerate(pieces)}
+    merges = []
+    for rank, piece in enumerate(pieces):
+        if types[rank] != 1 and rank not in spaces:  # normal tokens are reached by merging
+            continue
+        splits = [(piece[:k], piece[k:]) for k in range(1, len(piece))]
+        splits = [(a, b) for a, b in splits if a in vocab and b in vocab]
+        # Within one token: longer left parts first, then the vocabulary's order.
+        splits.sort(key=lambda ab: (-len(ab[0]), vocab[ab[0]], vocab[ab[1]]))
+        merges += splits
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=pieces[int(field("tokenizer.ggml.unknown_token_id", 3))],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    special = {i for i, t in enumerate(types) if t == 3}
+    tok.add_special_tokens(
+        [AddedToken(pieces[i], special=True, normalized=False) for i in sorted(special)]
+    )
+    # User-defined tokens (runs of newlines, ...) match whole; runs of spaces merge.
+    added = [i for i, t in enumerate(types) if t == 4 and i not in spaces]
+    tok.add_tokens([AddedToken(pieces[i], normalized=False) for i in added])
+    eos, bos = field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.bos_token_id")
+    return TokenizerWrapper(
+        tok,
+        byte_level=False,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
         add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),

@@ -49,6 +49,13 @@ def gguf() -> Path:
     return gemma3_gguf()
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
 def _greedy(engine: Engine, prompt: list[int], n: int, seed: int) -> list[int]:
     drv = StepDriver(engine.num_blocks, engine.block_size, seed=seed)
     rid = f"r{seed}"
@@ -59,11 +66,11 @@ def _greedy(engine: Engine, prompt: list[int], n: int, seed: int) -> list[int]:
     return out
 
 
-def test_greedy_equals_transformers_on_the_dequantized_weights(gguf: Path) -> None:
+def test_greedy_equals_transformers_on_the_dequantized_weights(gguf: Path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = hf_tokenizer
     ref = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
@@ -83,3 +90,29 @@ def test_the_chunks_assemble_once_and_are_checked(gguf: Path, tmp_path: Path) ->
     again = gemma3_gguf(tmp_path)
     assert again.name == gguf.name and again.stat().st_size == gguf.stat().st_size
     assert gemma3_gguf(tmp_path) == again  # the second call reuses the assembled file
+
+
+TEXTS = [
+    *PROMPTS,
+    "def fibonacci(n):\n    if n < 2:\n        return n",
+    "  two  spaces   and\ttabs",
+    "Ünïcödé naïve café — 日本語のテキスト 🤖",
+    "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n",
+    "1234567 + 89 = ?",
+    "   leading",
+    "trailing   ",
+    "\n\n\nnewlines",
+]
+
+
+def test_the_control_planes_tokenizer_equals_transformers(gguf: Path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The control plane's SentencePiece BPE rebuilt from the GGUF (merges recovered from
+    the vocabulary) encodes as transformers' own GGUF tokenizer, and decodes back."""
+    from control_plane.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(gguf)
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == hf_tokenizer(text)["input_ids"], text
+        assert ours.decode(ids[1:]) == text  # [0] is <bos>
+        assert b"".join(ours.token_bytes(i) for i in ids[1:]).decode() == text
