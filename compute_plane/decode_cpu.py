@@ -8,7 +8,9 @@ attention kernels: the same fp32 operations in the same order, so the same resul
 rounding (tests/compute/test_decode_cpu.py), in about the time of the matmuls alone.
 
 The model uses it where it applies: CPU, fp32, the `cpu` attention backend, and every
-layer matrix quantized (`--quantization auto` with a quantized GGUF, or `int8`).
+layer matrix quantized (`--quantization auto` with a quantized GGUF, or `int8`); every
+supported architecture, Gemma 3's sandwich norms, GELU, scaled embeddings and
+sliding-window layers with their own rotary tables included.
 Prefill chunks, mixed steps and other models keep the torch forward.
 """
 
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _KINDS = {"dense": 0, "q4": 1, "q8": 2}
+_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 class _DWeight(ctypes.Structure):
@@ -45,8 +48,9 @@ class _DLayer(ctypes.Structure):
     _fields_ = [
         *((n, _ptr) for n in ("input_norm", "post_norm", "q_norm", "k_norm")),
         *((n, _DWeight) for n in ("qkv", "o", "gate_up", "down")),
-        ("k_cache", _ptr),
-        ("v_cache", _ptr),
+        *((n, _ptr) for n in ("k_cache", "v_cache", "cos", "sin")),
+        ("window", _i64),
+        *((n, _ptr) for n in ("attn_out_norm", "mlp_out_norm")),
     ]
 
 
@@ -59,9 +63,9 @@ class _DModel(ctypes.Structure):
         ("exact", _i64),
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
-        ("cos", _ptr),
-        ("sin", _ptr),
         ("embed", _DWeight),
+        ("embed_scale", ctypes.c_float),
+        ("act", _i64),
         ("final_norm", _ptr),
         ("layers", ctypes.POINTER(_DLayer)),
     ]
@@ -94,9 +98,6 @@ def unsupported(model: Model) -> str | None:
         return "not on the CPU in fp32"
     if model.attention.name != "cpu":
         return f"attention backend {model.attention.name!r}, not 'cpu'"
-    cfg = model.cfg
-    if cfg.architecture not in ("llama", "mistral", "qwen2", "qwen3"):
-        return f"architecture {cfg.architecture}"  # Gemma 3's norms, windows, GELU: not in C yet
     for layer in model.layers:
         if not all(
             isinstance(w, QuantWeight) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
@@ -128,21 +129,26 @@ class FusedDecode:
     def __init__(self, model: Model) -> None:
         cfg = model.cfg
         self._kernel = load_kernel()
-        cos = model.rotary.cos.contiguous()
-        sin = model.rotary.sin.contiguous()
-        self._keep: list[object] = [model, cos, sin]  # what the raw pointers point into
+        tables = {
+            window: (rotary.cos.contiguous(), rotary.sin.contiguous())
+            for window, rotary in ((None, model.rotary), (0, model.rotary_local))
+        }
+        self._keep: list[object] = [model, tables]  # what the raw pointers point into
         self._layers = (_DLayer * cfg.num_layers)()
         for c, layer in zip(self._layers, model.layers, strict=True):
             c.input_norm, c.post_norm = layer.input_norm.data_ptr(), layer.mlp_norm.data_ptr()
             c.q_norm, c.k_norm = _ptr_of(layer.q_norm), _ptr_of(layer.k_norm)
             c.qkv = _weight(layer.qkv, layer.qkv_bias)
             c.o, c.gate_up, c.down = _weight(layer.o), _weight(layer.gate_up), _weight(layer.down)
+            cos, sin = tables[None if layer.window is None else 0]
+            c.cos, c.sin, c.window = cos.data_ptr(), sin.data_ptr(), layer.window or 0
+            c.attn_out_norm = _ptr_of(layer.attn_out_norm)
+            c.mlp_out_norm = _ptr_of(layer.mlp_out_norm)
         self._model = _DModel(
             cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
             cfg.num_kv_heads, cfg.head_dim, 0, model.activations == "fp32", cfg.rms_norm_eps,
-            cfg.head_dim**-0.5,
-            cos.data_ptr(), sin.data_ptr(), _weight(model.embed), model.final_norm.data_ptr(),
-            self._layers,
+            cfg.scale, _weight(model.embed), cfg.embedding_scale or 0.0,
+            _ACTS[cfg.hidden_act], model.final_norm.data_ptr(), self._layers,
         )  # fmt: skip
         self._caches: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._hidden = cfg.hidden_size

@@ -38,18 +38,24 @@ typedef struct {
 } DWeight;
 
 typedef struct {
-  const float *input_norm, *post_norm;
+  const float *input_norm, *post_norm; /* post_norm: the norm before the MLP */
   const float *q_norm, *k_norm; /* NULL unless the model norms q and k per head */
   DWeight qkv, o, gate_up, down;
   float *k_cache, *v_cache; /* [blocks][block_size][kv_heads][head_dim] */
+  const float *cos, *sin;   /* this layer's rotary tables [max_positions][head_dim] */
+  int64_t window;           /* > 0: sees only the last `window` positions */
+  const float *attn_out_norm, *mlp_out_norm; /* Gemma's sandwich; NULL otherwise */
 } DLayer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
   int64_t num_layers, hidden, intermediate, heads, kv_heads, head_dim, block_size;
   int64_t exact; /* fp32 activations in the linears (else int16) */
   float eps, scale;
-  const float *cos, *sin; /* [max_positions][head_dim] */
   DWeight embed;
+  float embed_scale; /* embeddings multiplied by it (Gemma); 0: not */
+  int64_t act;       /* ACT_* of the gated MLP */
   const float *final_norm;
   const DLayer *layers;
 } DModel;
@@ -92,6 +98,20 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t hd) {
   }
 }
 
+/* torch's GELU, tanh approximation: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+static inline float gelu_tanh(float x) {
+  const float k = 0.7978845608028654f;
+  return 0.5f * x * (1.f + tanhf(k * (x + 0.044715f * x * x * x)));
+}
+
+/* h += out for M rows of n, out first normed in place where a norm is given (Gemma). */
+static void add_residual(float *h, float *out, const float *norm, int64_t M, int64_t n,
+                         float eps) {
+  if (norm)
+    for (int64_t r = 0; r < M; ++r) rms_norm(out + r * n, norm, n, eps, out + r * n);
+  for (int64_t i = 0; i < M * n; ++i) h[i] += out[i];
+}
+
 typedef struct {
   float *h, *x, *qkv, *q, *attn, *gu, *act, *tmp;
 } Scratch;
@@ -119,7 +139,7 @@ static void qkv_to_cache(const DModel *m, const DLayer *l, int64_t M, const int6
   const int64_t width = qn + 2 * kvn;
   for (int64_t r = 0; r < M; ++r) {
     float *row = s->qkv + r * width;
-    const float *cos = m->cos + positions[r] * hd, *sin = m->sin + positions[r] * hd;
+    const float *cos = l->cos + positions[r] * hd, *sin = l->sin + positions[r] * hd;
     for (int64_t h = 0; h < m->heads + m->kv_heads; ++h) {
       float *head = row + h * hd; /* q heads, then k heads */
       if (l->q_norm) rms_norm(head, h < m->heads ? l->q_norm : l->k_norm, hd, m->eps, head);
@@ -140,19 +160,23 @@ static int layer_forward(const DModel *m, const DLayer *l, int64_t M, const int6
   if ((err = apply(&l->qkv, s->x, M, m->exact, s->qkv))) return err;
   qkv_to_cache(m, l, M, positions, slots, s);
   if (paged_decode_attention_f32(s->q, l->k_cache, l->v_cache, tables, table_stride, seq_lens,
-                                 s->attn, M, m->heads, m->kv_heads, hd, m->block_size, m->scale, 0))
+                                 s->attn, M, m->heads, m->kv_heads, hd, m->block_size, m->scale,
+                                 l->window))
     return 2;
   if ((err = apply(&l->o, s->attn, M, m->exact, s->tmp))) return err;
-  for (int64_t i = 0; i < M * H; ++i) s->h[i] += s->tmp[i];
+  add_residual(s->h, s->tmp, l->attn_out_norm, M, H, m->eps);
   for (int64_t r = 0; r < M; ++r) rms_norm(s->h + r * H, l->post_norm, H, m->eps, s->x + r * H);
   if ((err = apply(&l->gate_up, s->x, M, m->exact, s->gu))) return err;
   for (int64_t r = 0; r < M; ++r) {
     const float *gate = s->gu + r * 2 * I, *up = gate + I;
     float *a = s->act + r * I;
-    for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
+    if (m->act == ACT_GELU_TANH)
+      for (int64_t i = 0; i < I; ++i) a[i] = gelu_tanh(gate[i]) * up[i];
+    else
+      for (int64_t i = 0; i < I; ++i) a[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
   }
   if ((err = apply(&l->down, s->act, M, m->exact, s->tmp))) return err;
-  for (int64_t i = 0; i < M * H; ++i) s->h[i] += s->tmp[i];
+  add_residual(s->h, s->tmp, l->mlp_out_norm, M, H, m->eps);
   return 0;
 }
 
@@ -164,6 +188,8 @@ int decode_forward_f32(const DModel *m, int64_t M, const int64_t *ids, const int
   if (scratch_alloc(m, M, &s)) return 2;
   const int64_t H = m->hidden;
   for (int64_t r = 0; r < M; ++r) embed_row(&m->embed, ids[r], s.h + r * H);
+  if (m->embed_scale > 0.f)
+    for (int64_t i = 0; i < M * H; ++i) s.h[i] *= m->embed_scale;
   int err = 0;
   for (int64_t i = 0; i < m->num_layers && !err; ++i)
     err = layer_forward(m, &m->layers[i], M, positions, slots, tables, table_stride, seq_lens,

@@ -68,7 +68,7 @@ def _dequantized_int8(model):  # type: ignore[no-untyped-def]
 
 CASES = ["llama", "llama3-rope", "qwen2", "qwen3", "gemma3", "gemma3-torch"]
 CASES += ["smollm2", "smollm2-q4"]
-CASES += ["llama-int8", "qwen2-int8", "qwen3-int8"]
+CASES += ["llama-int8", "qwen2-int8", "qwen3-int8", "gemma3-int8"]
 
 
 @pytest.fixture(scope="module", params=CASES)
