@@ -42,6 +42,7 @@ class _Kernels:
     q8_linear: Callable[..., int]
     q4_dequant: Callable[..., None]
     q8_dequant: Callable[..., None]
+    int16: bool  # the kernels round activations to int16 when asked (AVX2 builds)
 
 
 @functools.cache
@@ -57,7 +58,11 @@ def load_kernels() -> _Kernels:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
         fn.restype = None
-    return _Kernels(lib.q4_linear_f32, lib.q8_linear_f32, lib.q4_dequant_f32, lib.q8_dequant_f32)
+    lib.int16_activations_supported.restype = ctypes.c_int
+    return _Kernels(
+        lib.q4_linear_f32, lib.q8_linear_f32, lib.q4_dequant_f32, lib.q8_dequant_f32,
+        bool(lib.int16_activations_supported()),
+    )  # fmt: skip
 
 
 def kernels_available() -> bool:
@@ -114,6 +119,8 @@ class QuantWeight:
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
         if m > MAX_KERNEL_ROWS:
+            if activations == "int16" and load_kernels().int16:
+                x2 = round_int16(x2)  # as the kernel rounds them: batch-independent results
             return torch.nn.functional.linear(x2, self.dequantize(), bias).reshape(*x.shape[:-1], n)
         x2 = x2.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
@@ -131,6 +138,16 @@ class QuantWeight:
     def take_rows(self, perm: np.ndarray) -> QuantWeight:
         idx = torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
         return QuantWeight(self.kind, self.codes[idx].contiguous(), self.scales[idx].contiguous())
+
+
+def round_int16(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as the kernels' int16 mode rounds it: per group of 32, to steps of
+    the group's largest magnitude / 32767 (round half to even, as lrintf)."""
+    m, k = x.shape
+    g = x.reshape(m, k // GROUP, GROUP)
+    top = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
+    return (torch.round(g * inv) * (top / 32767.0)).reshape(m, k)
 
 
 def cat(parts: Sequence[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:

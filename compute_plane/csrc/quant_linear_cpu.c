@@ -296,11 +296,33 @@ static int prepare_x(const float *x, int64_t M, int64_t K, int sums, int exact, 
   p->xs = (float *)mem;
   p->dx = p->xs + M * ng;
   p->xq = (int16_t *)(p->dx + M * ng);
-  if (sums) group_sums(x, M, K, p->xs);
 #ifdef HAVE_AVX2
-  if (!exact) quantize_x16(x, M, K, p->xq, p->dx);
+  if (!exact) {
+    quantize_x16(x, M, K, p->xq, p->dx);
+    /* The q4 offsets meet the rounded x as well: the result is exactly the dequantized
+     * weight times the rounded x (to fp32 rounding), which is what quant.py's GEMM path
+     * computes for more rows, so a token's numerics do not depend on its batch. */
+    if (sums)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t g = 0; g < ng; ++g) {
+          int32_t t = 0;
+          for (int j = 0; j < G; ++j) t += p->xq[m * K + g * G + j];
+          p->xs[m * ng + g] = p->dx[m * ng + g] * (float)t;
+        }
+    return 0;
+  }
 #endif
+  if (sums) group_sums(x, M, K, p->xs);
   return 0;
+}
+
+/* 1 when the kernels round activations to int16 (AVX2 builds), else 0 (always exact). */
+int int16_activations_supported(void) {
+#ifdef HAVE_AVX2
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 int q4_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *sb,
