@@ -56,6 +56,17 @@ def hf_tokenizer(gguf: Path):  # type: ignore[no-untyped-def]
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+@pytest.fixture(scope="module")
+def hf_model(gguf: Path):  # type: ignore[no-untyped-def]
+    """transformers' own GGUF loader: its dequantisation of the same file, in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+
+
 def _greedy(engine: Engine, prompt: list[int], n: int, seed: int) -> list[int]:
     drv = StepDriver(engine.num_blocks, engine.block_size, seed=seed)
     rid = f"r{seed}"
@@ -66,14 +77,12 @@ def _greedy(engine: Engine, prompt: list[int], n: int, seed: int) -> list[int]:
     return out
 
 
-def test_greedy_equals_transformers_on_the_dequantized_weights(gguf: Path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = hf_tokenizer
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+def test_greedy_equals_transformers_on_the_dequantized_weights(
+    gguf: Path,
+    hf_tokenizer,  # type: ignore[no-untyped-def]
+    hf_model,
+) -> None:
+    tokenizer, ref = hf_tokenizer, hf_model
     config = ComputeConfig(model=str(gguf), quantization="none", kv_cache_bytes=64 << 20)
     engine = Engine(config, load_for(config, gguf))
     cfg = engine.model_config
@@ -116,3 +125,27 @@ def test_the_control_planes_tokenizer_equals_transformers(gguf: Path, hf_tokeniz
         assert ids == hf_tokenizer(text)["input_ids"], text
         assert ours.decode(ids[1:]) == text  # [0] is <bos>
         assert b"".join(ours.token_bytes(i) for i in ids[1:]).decode() == text
+
+
+def test_served_through_the_three_planes(hf_tokenizer, hf_model) -> None:  # type: ignore[no-untyped-def]
+    """`--model gemma3` in all three processes, the official openai client: greedy text
+    (dequantized weights) equals transformers' for the same prompt."""
+    import openai
+
+    from tests.procs import gateway_stack
+
+    model = ("--model", "gemma3")
+    compute = (*model, "--quantization", "none", "--kv-cache-bytes", str(64 << 20))
+    with gateway_stack(compute_args=compute, control_args=model) as stack:
+        client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+        served = client.models.list().data[0].id
+        assert served == "gemma-3-270m-q4_k_m"
+        for text in PROMPTS[:2]:
+            out = client.completions.create(
+                model=served, prompt=text, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            ids = hf_tokenizer(text)["input_ids"]
+            assert out.usage is not None and out.usage.prompt_tokens == len(ids)
+            expected = hf_tokenizer.decode(hf_greedy(hf_model, ids, 24))
+            assert out.choices[0].text == expected, text
