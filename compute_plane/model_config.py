@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-ACTIVATIONS = ("silu", "gelu_tanh")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
 
 
 class UnsupportedModelError(ValueError):
@@ -47,7 +47,7 @@ class ModelConfig:
     norm_weight_offset: float = 0.0
     embedding_scale: float | None = None  # embeddings multiplied by it (Gemma: sqrt(hidden))
     sandwich_norms: bool = False  # also a norm after attention and after the MLP (Gemma)
-    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS)
+    hidden_act: str = "silu"  # the gated MLP's activation (HIDDEN_ACTS)
     attention_scale: float | None = None  # default head_dim ** -0.5
     sliding_window: int | None = None  # keys a "sliding" layer sees: the last N positions
     layer_types: tuple[str, ...] = ()  # "full" or "sliding" per layer; () = all full
@@ -58,9 +58,9 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if self.hidden_act not in ACTIVATIONS:
+        if self.hidden_act not in HIDDEN_ACTS:
             raise UnsupportedModelError(
-                f"unsupported activation {self.hidden_act!r}; supported: {', '.join(ACTIVATIONS)}"
+                f"unsupported activation {self.hidden_act!r}; supported: {', '.join(HIDDEN_ACTS)}"
             )
         if self.layer_types and (
             len(self.layer_types) != self.num_layers
