@@ -274,7 +274,11 @@ class Engine:
         for f in failures:
             self._fail(f, result)
         if rows:
-            self._run([Row(rid, st, st.num_computed_tokens, n) for rid, st, n in rows], result)
+            masks = {m.request_id: m for m in req.masks}
+            self._run(
+                [Row(rid, st, st.num_computed_tokens, n, masks.get(rid)) for rid, st, n in rows],
+                result,
+            )
         self.counters.num_steps += 1
         self.counters.num_requests_added += len(req.new_requests)
         return result

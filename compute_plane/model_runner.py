@@ -160,4 +160,5 @@ class ModelRunner:
                 else ()
                 for s in states
             ],
+            [r.mask for r in rows] if any(r.mask is not None for r in rows) else None,
         )

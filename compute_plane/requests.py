@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from hetero_common.sampling_params import SamplingSpec
 from hetero_common.tracing import NO_SPAN, RequestSpan
 from hetero_proto import compute_pb2 as pb
@@ -38,6 +40,7 @@ class Row:
     state: RequestState
     start: int  # first position computed this step
     count: int  # tokens computed this step
+    mask: pb.TokenMask | None = None  # the tokens it may sample (structured output)
 
     @property
     def samples(self) -> bool:
@@ -112,6 +115,8 @@ class StepValidator:
             state = held(rid)
             self._check_count(rid, state, len(state.block_ids), 1)
             rows.append((rid, state, 1))
+        if req.masks:
+            rows = self._check_masks(req, rows, failures)
         total, most = sum(n for _, _, n in rows), self.limits.max_step_tokens
         if most is not None and total > most:
             raise StepRejected(
@@ -120,6 +125,25 @@ class StepValidator:
                 "RESOURCE_EXHAUSTED",
             )
         return rows, failures
+
+    def _check_masks(
+        self, req: pb.StepRequest, rows: list[Planned], failures: list[Failure]
+    ) -> list[Planned]:
+        """A mask names a request of this step, once (else the step is rejected); a mask
+        whose content is bad fails its request alone."""
+        planned = {rid for rid, _, _ in rows} | {f.request_id for f in failures}
+        bad: set[str] = set()
+        seen: set[str] = set()
+        for m in req.masks:
+            rid = m.request_id
+            if rid not in planned or rid in seen:
+                what = "twice" if rid in seen else "for a request not in this step"
+                raise StepRejected(f"token mask {what}: {rid!r}")
+            seen.add(rid)
+            if problem := mask_problem(m, self.limits.vocab_size):
+                bad.add(rid)
+                failures.append(Failure(rid, "INVALID_ARGUMENT", f"request {rid!r}: {problem}"))
+        return [r for r in rows if r[0] not in bad] if bad else rows
 
     def _new(self, n: pb.NewRequest) -> Planned:
         rid, lim = n.request_id, self.limits
@@ -168,3 +192,26 @@ class StepValidator:
             raise StepRejected(
                 f"request {rid!r}: {end} tokens do not fit in {num_blocks} blocks of {bs}"
             )
+
+
+def mask_problem(m: pb.TokenMask, vocab_size: int) -> str | None:
+    """What is wrong with a token mask, or None."""
+    if not 1 <= m.size <= vocab_size:
+        return f"token mask size {m.size} not in 1..{vocab_size}"
+    if m.bitmask:
+        if m.ids or m.invert:
+            return "token mask: bitmask and ids are exclusive"
+        if len(m.bitmask) != (m.size + 7) // 8:
+            return f"token mask: bitmask of {len(m.bitmask)} bytes for {m.size} tokens"
+        bits = np.unpackbits(np.frombuffer(m.bitmask, np.uint8), bitorder="little")
+        if not bits[: m.size].any():
+            return "token mask allows no token"
+        return None
+    ids = np.asarray(m.ids, dtype=np.int64)
+    if len(ids) and (ids.min() < 0 or ids.max() >= m.size):
+        return f"token mask: id out of range 0..{m.size - 1}"
+    if not m.invert and not len(ids):
+        return "token mask allows no token"
+    if m.invert and len(np.unique(ids)) >= m.size:
+        return "token mask allows no token"
+    return None

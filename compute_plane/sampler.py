@@ -15,11 +15,13 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hetero_common.sampling_params import SamplingSpec
+from hetero_proto import compute_pb2 as pb
 
-__all__ = ["SampleOutput", "SamplingSpec", "sample"]
+__all__ = ["SampleOutput", "SamplingSpec", "allowed_tokens", "sample"]
 
 
 @dataclass
@@ -39,9 +41,12 @@ def sample(
     output_token_ids: list[list[int]],  # per row, generated so far (all penalties)
     positions: list[int],  # per row, index of the token being sampled (seeds)
     banned_ids: list[tuple[int, ...]] | None = None,  # per row, ids that may not be sampled
+    masks: list[pb.TokenMask | None] | None = None,  # per row, the ids it may sample (grammar)
 ) -> SampleOutput:
     """Pick one token per row.
 
+    A row's token mask (structured output) bans every token it does not allow before anything
+    else, so greedy, sampling and logprobs all see the masked distribution.
     Logprobs are log_softmax of the penalised (and banned-masked) logits, before temperature and
     the top-k / top-p / min-p filters: the model's own view of the token, as vLLM's default.
     Rows with the same spec, history and position get the same token whatever the batch.
@@ -53,10 +58,21 @@ def sample(
     )
     banned = banned_ids or [()] * b
     wants_lp = any(s.logprobs or s.top_logprobs for s in specs)
-    if not wants_lp and not any(banned) and all(s.greedy and not s.penalised for s in specs):
+    row_masks = [(i, m) for i, m in enumerate(masks or ()) if m is not None]
+    masked = [i for i, _ in row_masks]
+    if (
+        not wants_lp
+        and not masked
+        and not any(banned)
+        and all(s.greedy and not s.penalised for s in specs)
+    ):
         return SampleOutput(logits.argmax(dim=-1).tolist(), None, None, None)
 
     logits = logits.float().clone()
+    if masked:
+        allowed = torch.stack([allowed_tokens(m, logits.shape[1]) for _, m in row_masks])
+        idx = torch.tensor(masked, device=logits.device)
+        logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), -math.inf)
     for i, s in enumerate(specs):
         if banned[i]:
             logits[i, list(banned[i])] = -math.inf
@@ -81,6 +97,21 @@ def sample(
         if k:
             vals, ids = logp.topk(k, dim=-1)
             out.top_ids, out.top_logprobs = ids.tolist(), vals.tolist()
+    return out
+
+
+def allowed_tokens(m: pb.TokenMask, vocab_size: int) -> torch.Tensor:
+    """A token mask (compute.proto) as a bool vector over the model's vocabulary (CPU)."""
+    out = torch.zeros(vocab_size, dtype=torch.bool)
+    n = min(m.size, vocab_size)
+    if m.bitmask:
+        bits = np.unpackbits(np.frombuffer(m.bitmask, np.uint8), bitorder="little")[:n]
+        out[:n] = torch.from_numpy(bits.astype(np.bool_))
+    elif m.invert:
+        out[:n] = True
+        out[torch.tensor(list(m.ids), dtype=torch.long)] = False
+    else:
+        out[torch.tensor(list(m.ids), dtype=torch.long)] = True
     return out
 
 

@@ -113,18 +113,34 @@ class ContinuingRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing", "finished_ids", "decode_ids")
+    __slots__ = ("step_id", "new_requests", "continuing", "finished_ids", "decode_ids", "masks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
     finished_ids: _containers.RepeatedScalarFieldContainer[str]
     decode_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., decode_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., decode_ids: _Optional[_Iterable[str]] = ..., masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+
+class TokenMask(_message.Message):
+    __slots__ = ("request_id", "size", "bitmask", "ids", "invert")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    BITMASK_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    INVERT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    size: int
+    bitmask: bytes
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    invert: bool
+    def __init__(self, request_id: _Optional[str] = ..., size: _Optional[int] = ..., bitmask: _Optional[bytes] = ..., ids: _Optional[_Iterable[int]] = ..., invert: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -123,3 +123,34 @@ def test_a_request_that_raises_fails_alone(engine: Engine, monkeypatch: pytest.M
     # Alone in its step, a raising request is the engine's fault as far as it can tell.
     with pytest.raises(IndexError):
         engine.step(drv.step(new=[drv.new("bad", PROMPT, len(PROMPT))]))
+
+
+def test_token_masks_constrain_one_request_and_bad_masks_fail_alone(engine: Engine) -> None:
+    from compute_plane.requests import StepRejected
+
+    engine.reset()
+    drv = StepDriver(engine.num_blocks, engine.block_size)
+    news = [drv.new(rid, PROMPT, len(PROMPT), sampling=GREEDY) for rid in ("free", "m", "bad")]
+    step = drv.step(new=news)
+    vocab = engine.model_config.vocab_size
+    step.masks.add(request_id="m", size=vocab, ids=[11, 12])
+    step.masks.add(request_id="bad", size=vocab, ids=[vocab])  # out of range
+    res = engine.step(step)
+    got = sampled_tokens(res)
+    assert got["m"] in (11, 12)
+    assert "bad" not in got and [f.request_id for f in res.failed] == ["bad"]
+    assert "out of range" in res.failed[0].message
+    free_alone = _run(engine, {"free": (PROMPT, GREEDY)}, seed=0)["free"][0]
+    assert got["free"] == free_alone  # the unconstrained request is untouched
+    # A mask for a request that is not in the step rejects the whole step.
+    engine.reset()
+    drv = StepDriver(engine.num_blocks, engine.block_size)
+    step = drv.step(new=[drv.new("a", PROMPT, len(PROMPT), sampling=GREEDY)])
+    step.masks.add(request_id="ghost", size=vocab, ids=[1])
+    with pytest.raises(StepRejected, match="not in this step"):
+        engine.step(step)
+    assert not engine.requests  # nothing changed
+    step = drv.step(new=[drv.new("b", PROMPT, len(PROMPT), sampling=GREEDY)])
+    step.masks.add(request_id="b", size=vocab, ids=list(range(vocab)), invert=True)
+    res = engine.step(step)
+    assert "allows no token" in res.failed[0].message

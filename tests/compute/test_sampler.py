@@ -286,3 +286,68 @@ def test_seeded_tokens_are_the_same_on_cuda() -> None:
     cpu = _batch(logits, specs, pos=list(range(16)))
     cuda = _batch(logits.cuda(), specs, pos=list(range(16)))
     assert cuda.token_ids == cpu.token_ids
+
+
+# ------------------------------------------------------------ token masks (structured output)
+def _mask_forms(allowed: list[int], size: int) -> list[pb.TokenMask]:
+    """The same allowed set in each wire form, built here independently of the encoder."""
+    bits = bytearray((size + 7) // 8)
+    for t in allowed:
+        bits[t // 8] |= 1 << (t % 8)
+    banned = [t for t in range(size) if t not in allowed]
+    return [
+        pb.TokenMask(size=size, bitmask=bytes(bits)),
+        pb.TokenMask(size=size, ids=allowed),
+        pb.TokenMask(size=size, ids=banned, invert=True),
+    ]
+
+
+@pytest.mark.parametrize("form", [0, 1, 2])
+def test_mask_greedy_takes_best_allowed_token(form: int) -> None:
+    mask = _mask_forms([2, 4], 5)[form]
+    out = sample(
+        torch.tensor([LOGITS, LOGITS]),
+        [SamplingSpec()] * 2,
+        [[]] * 2,
+        [[]] * 2,
+        [0, 0],
+        None,
+        [mask, None],
+    )
+    assert out.token_ids == [2, 0]  # the masked row's best allowed; the free row untouched
+
+
+def test_mask_shorter_than_vocab_bans_the_rest() -> None:
+    # A mask covers the tokenizer's vocabulary; the model's padded ids beyond it are banned.
+    logits = torch.tensor([[0.0, 0.0, 0.0, 5.0, 9.0]])
+    mask = pb.TokenMask(size=3, ids=[0, 1], invert=True)  # allows 2 of 0..2
+    out = sample(logits, [SamplingSpec()], [[]], [[]], [0], None, [mask])
+    assert out.token_ids == [2]
+
+
+def test_mask_logprobs_renormalise_over_allowed_tokens() -> None:
+    spec = SamplingSpec(logprobs=True, top_logprobs=3)
+    mask = pb.TokenMask(size=5, ids=[1, 3])
+    out = sample(torch.tensor([LOGITS]), [spec], [[]], [[]], [0], None, [mask])
+    total = P[1] + P[3]
+    assert out.token_ids == [1]
+    assert out.logprobs is not None and out.logprobs[0] == pytest.approx(math.log(P[1] / total))
+    assert out.top_ids is not None and out.top_ids[0][:2] == [1, 3]
+    assert out.top_logprobs is not None
+    assert out.top_logprobs[0][1] == pytest.approx(math.log(P[3] / total), abs=1e-6)
+    assert out.top_logprobs[0][2] == -math.inf
+
+
+def test_masked_sampling_distribution_is_the_renormalised_one() -> None:
+    allowed = [0, 2, 4]
+    mask = pb.TokenMask(size=5, ids=allowed)
+    n = 20000
+    torch.manual_seed(7)
+    t = torch.tensor([LOGITS] * n)
+    out = sample(
+        t, [SamplingSpec(temperature=1.0)] * n, [[]] * n, [[]] * n, [0] * n, None, [mask] * n
+    )
+    total = sum(P[i] for i in allowed)
+    probs = [P[i] / total if i in allowed else 0.0 for i in range(5)]
+    assert set(out.token_ids) <= set(allowed)
+    assert _chi2(out.token_ids, probs) < 13.82  # 2 degrees of freedom, p = 0.001
