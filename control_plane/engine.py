@@ -22,6 +22,7 @@ from control_plane.compute_client import (
     sampled_tokens,
 )
 from control_plane.config import ControlConfig
+from control_plane.grammar import Grammars
 from control_plane.input_processor import InputProcessor, ModelBounds
 from control_plane.output_processor import OutputProcessor
 from control_plane.outputs import Choice, GenerateStream, Outbox
@@ -95,7 +96,8 @@ class ControlEngine:
         """`model_name`: the served model's id (ModelInfo's), the metrics' model_name label."""
         self.config = config
         self.tokenizer = tokenizer
-        self.inputs = InputProcessor(tokenizer)
+        self.grammars = Grammars(tokenizer)
+        self.inputs = InputProcessor(tokenizer, self.grammars)
         self.client: ComputeLink = link or ComputeClient(config.compute, config.compute_tls)
         self.scheduler: Scheduler | None = None
         self.description: cpb.DescribeResponse | None = None
@@ -154,6 +156,7 @@ class ControlEngine:
             sliding_window=d.sliding_window or None,
         )
         self.description = d
+        self.grammars.bind(d.vocab_size, self._bounds(self.scheduler).eos_token_ids)
         self._compute_draining = False
         self._readmit()
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
@@ -210,7 +213,14 @@ class ControlEngine:
         usable = valid_request_id(request_id) and request_id not in self.streams
         stream_id = request_id if usable else uuid.uuid4().hex
         stream = self.inputs.make_stream(
-            stream_id, prompt_ids, params, bounds, max_tokens, outbox, client_id
+            stream_id,
+            prompt_ids,
+            params,
+            bounds,
+            max_tokens,
+            outbox,
+            client_id,
+            self.labels["model_name"],
         )
         self._trace(stream, traceparent, max_tokens)
         _queue(sched, stream)
@@ -351,8 +361,35 @@ class ControlEngine:
                 self._compute_draining = True
             sampled = sampled_tokens(result)
             sched.update(out, sampled)
+            if self._constrained:
+                self._advance_grammars(sched, sampled)
             ready = result, sampled
             self._observe_pool()
+
+    @property
+    def _constrained(self) -> bool:
+        return any(c.request.grammar is not None for _, c in self.choices.values())
+
+    def _advance_grammars(self, sched: Scheduler, sampled: dict[str, int]) -> None:
+        """Feed the constrained requests their sampled tokens and compute their next masks
+        (all together); end those whose grammar is complete (stop) or at a dead end."""
+        reqs: list[Request] = []
+        tokens: list[int] = []
+        for rid, token in sampled.items():
+            entry = self.choices.get(rid)
+            if entry is not None:
+                req = entry[1].request
+                if req.grammar is not None and not req.status.finished:
+                    reqs.append(req)
+                    tokens.append(token)
+        self.grammars.advance([(r.grammar, t) for r, t in zip(reqs, tokens, strict=True)])
+        for req in reqs:
+            g = req.grammar
+            if g.dead:
+                req.stop_reason = "no token can continue the grammar"
+                sched.finish(req.request_id, Status.FINISHED_GRAMMAR)
+            elif g.complete:
+                sched.finish(req.request_id, Status.FINISHED_STOPPED)
 
     def _fail_requests(self, failed: Iterable[cpb.RequestFailure]) -> None:
         """The compute plane failed these alone: end their streams with the error."""
@@ -448,6 +485,16 @@ class ControlEngine:
                     num_scheduled_tokens=c.num_scheduled_tokens,
                 )
         step.decode_ids.extend(decode_ids)
+        for req, n in out.scheduled():
+            g = req.grammar
+            if (
+                g is not None
+                and g.mask is not None
+                and req.num_computed_tokens + n == req.num_tokens
+            ):
+                mask = step.masks.add()
+                mask.CopyFrom(g.mask)
+                mask.request_id = req.request_id
         return step
 
     def _emit(self, result: cpb.StepResult, sampled: dict[str, int]) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from control_plane import metrics
 from control_plane.detokenizer import IncrementalDetokenizer
+from control_plane.grammar import GrammarError, Grammars
 from control_plane.outputs import Choice, GenerateStream, Outbox
 from control_plane.request import Request
 from control_plane.scheduler import AdmissionError
@@ -32,8 +34,9 @@ class ModelBounds:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+    def __init__(self, tokenizer: TokenizerWrapper, grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars or Grammars(tokenizer)
 
     def check(self, prompt_ids: list[int], params: pb.GenerationParams, bounds: ModelBounds) -> int:
         """Raise AdmissionError naming the first bad field; return the request's max_tokens
@@ -68,6 +71,11 @@ class InputProcessor:
         problem = spec.validate(bounds.vocab_size)
         if problem:
             raise AdmissionError(problem)
+        if params.HasField("structured"):
+            try:
+                self.grammars.compile(params.structured)  # cached for make_stream
+            except GrammarError as e:
+                raise AdmissionError(str(e)) from None
         return max_tokens
 
     def sampling(
@@ -103,12 +111,18 @@ class InputProcessor:
         max_tokens: int,
         outbox: Outbox | None = None,
         client_id: str = "",
+        model_name: str = "",
     ) -> GenerateStream:
         """The stream of a checked request, with a scheduler Request per choice
         (`<stream_id>-<i>`), each with its detokenizer and stop-string checker."""
         stream = GenerateStream(
             stream_id, list(prompt_ids), [], self.tokenizer, outbox=outbox, client_id=client_id
         )
+        grammar = None
+        if params.HasField("structured"):
+            grammar = self.grammars.start(params.structured)
+            kind = params.structured.WhichOneof("kind") or ""
+            metrics.constrained_requests.labels(model_name=model_name, kind=kind).inc()
         for i in range(params.n or 1):
             req = Request(
                 request_id=choice_request_id(stream_id, i),
@@ -119,6 +133,7 @@ class InputProcessor:
                 ignore_eos=params.ignore_eos,
                 eos_token_ids=bounds.eos_token_ids,
                 stop_token_ids=frozenset(params.stop_token_ids),
+                grammar=None if grammar is None else grammar if i == 0 else grammar.copy(),
             )
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             stream.choices.append(Choice(i, req, detok, StopChecker(list(params.stop))))

@@ -50,6 +50,22 @@ prefill_time = Histogram(
 decode_time = Histogram(
     "hetero_request_decode_time_seconds", "First token to finish", L, buckets=LATENCY_BUCKETS
 )
+constrained_requests = Counter(
+    "hetero_structured_output_requests",
+    "Requests admitted with a grammar (structured output), by kind",
+    (*L, "kind"),
+)
+# No model_name label: grammars are per tokenizer, and the step loop observes once per step.
+grammar_mask_seconds = Histogram(
+    "hetero_structured_output_mask_seconds",
+    "Time to advance the constrained requests of a step and compute their next masks",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+)
+grammar_compile_seconds = Histogram(
+    "hetero_structured_output_compile_seconds",
+    "Time to compile a grammar not in the cache",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
 compute_attached = Gauge("hetero_compute_attached", "1 while a compute plane is attached", L)
 
 

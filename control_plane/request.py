@@ -13,10 +13,11 @@ class Status(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_GRAMMAR = "grammar"  # structured output: no token can continue the grammar
 
     @property
     def finished(self) -> bool:
-        return self in (Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED)
+        return self not in (Status.WAITING, Status.RUNNING)
 
 
 @dataclass(eq=False)
@@ -45,6 +46,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     traceparent: str = ""  # the control plane's span of its stream, for the compute plane's
+    grammar: Any = None  # control_plane.grammar.GrammarState of a constrained request
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,9 +9,12 @@ UNAVAILABLE while those in flight finish (up to --drain-timeout), then the proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -169,12 +172,16 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         if which == "token_ids":
             return list(request.token_ids.ids)  # type: ignore[union-attr]
         if which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            chat = request.chat
+            messages = chat_messages(chat)
             if not messages:
                 raise AdmissionError("chat input has no messages")
+            tools = _json_list(chat.tools_json, "tools_json")
             if check_size:
-                self._check_size("".join(m["content"] for m in messages))
-            text = self.tokenizer.apply_chat_template(messages, request.chat.add_generation_prompt)
+                self._check_size("".join(m["content"] for m in messages) + chat.tools_json)
+            text = self.tokenizer.apply_chat_template(
+                messages, chat.add_generation_prompt, tools or None
+            )
             return self.tokenizer.encode(text, add_special_tokens=False)
         raise AdmissionError("no input: set text, token_ids or chat")
 
@@ -416,3 +423,39 @@ async def _follow_attachment(engine: ControlEngine, health: HealthReporter) -> N
             await health.set(now)
             serving = now
         await asyncio.sleep(0.2)
+
+
+def _json_list(text: str, name: str) -> list[Any]:
+    if not text:
+        return []
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AdmissionError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, list):
+        raise AdmissionError(f"{name} must be a JSON list")
+    return value
+
+
+def chat_messages(chat: pb.ChatInput) -> list[dict[str, Any]]:
+    """ChatInput's messages as chat templates take them: tool calls with their arguments
+    as objects (as transformers' templates expect), tool results with their call id."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(chat.messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls_json:
+            calls = _json_list(m.tool_calls_json, f"messages[{i}].tool_calls_json")
+            for c in calls:
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise AdmissionError(f"messages[{i}].tool_calls: each needs function.name")
+                if isinstance(fn.get("arguments"), str):
+                    with contextlib.suppress(json.JSONDecodeError):  # else: the string as sent
+                        fn["arguments"] = json.loads(fn["arguments"])
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out

@@ -115,14 +115,17 @@ class TokenizerWrapper:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; send a plain prompt instead")
         bos = self.tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         return render_chat(
-            self.chat_template, messages, add_generation_prompt, bos or "", eos or ""
+            self.chat_template, messages, add_generation_prompt, bos or "", eos or "", tools
         )
 
 

@@ -1,0 +1,210 @@
+"""Structured output: grammars compiled with llguidance, advanced token by token here.
+
+The control plane owns the grammar work (the compute plane only applies masks): it
+compiles a request's grammar at admission (compiled grammars are cached by spec), and
+after each step it feeds every constrained request its sampled token and computes the
+mask of the tokens its next step may sample. Masks of a step's requests are computed
+together by llguidance's thread pool, which releases the GIL.
+
+Why llguidance and not xgrammar: llguidance's wheel needs nothing else (no torch, no
+transformers, no triton), which keeps the control plane torch-free, and its mask for a
+JSON schema takes 10-90 µs on this 2-core machine (docs/api.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from typing import Any
+
+import llguidance as llg
+import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from control_plane import metrics
+from control_plane.tokenizer import TokenizerWrapper
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+# JSON is generated compactly, as json.dumps writes it: whitespace the grammar allowed
+# anywhere lets a small model spend its whole budget on newlines.
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+_CACHE_SIZE = 256
+
+
+class GrammarError(ValueError):
+    """The structured-output spec does not compile; the message names the problem."""
+
+
+def grammar_text(spec: pb.StructuredOutput) -> str:
+    """The llguidance grammar of a spec (not yet checked against a tokenizer)."""
+    kind = spec.WhichOneof("kind")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec.json_schema)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise GrammarError("json_schema must be a JSON object")
+        return _from_schema(schema)
+    if kind == "json_object":
+        return _from_schema({"type": "object"})
+    if kind == "regex":
+        return llg.LLMatcher.grammar_from_regex(spec.regex)
+    if kind == "choice":
+        if not spec.choice.choices:
+            raise GrammarError("guided_choice must list at least one string")
+        alts = " | ".join(json.dumps(c) for c in spec.choice.choices)
+        return llg.LLMatcher.grammar_from_lark(f"start: {alts}")
+    if kind == "grammar":
+        text = spec.grammar
+        if "::=" in text:  # GBNF / EBNF, as vLLM's guided_grammar and llama.cpp take it
+            try:
+                text = gbnf_to_lark(text)
+            except Exception as e:  # the converter raises plain exceptions on bad input
+                raise GrammarError(f"guided_grammar: {e}") from None
+        return llg.LLMatcher.grammar_from_lark(text)
+    raise GrammarError("structured output: no kind set")
+
+
+def _from_schema(schema: dict[str, Any] | bool) -> str:
+    try:
+        return llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise GrammarError(f"json_schema: {e}") from None
+
+
+def spec_key(spec: pb.StructuredOutput) -> bytes:
+    return spec.SerializeToString(deterministic=True)
+
+
+class Grammars:
+    """Compiles specs for one tokenizer; a request gets a copy of the cached matcher."""
+
+    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+        self.tokenizer = tokenizer
+        self._lltok: llg.LLTokenizer | None = None
+        self._eos: tuple[int, ...] = ()
+        self._size = tokenizer.vocab_size
+        self._cache: OrderedDict[bytes, llg.LLMatcher] = OrderedDict()
+        self._executor: llg.LLExecutor | None = None
+
+    def bind(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        """The attached model's vocabulary and EOS ids (masks cover min(tokenizer, model))."""
+        eos = tuple(sorted(eos_token_ids))
+        size = min(self.tokenizer.vocab_size, vocab_size or self.tokenizer.vocab_size)
+        if self._lltok is not None and (eos, size) == (self._eos, self._size):
+            return
+        self._eos, self._size = eos, size
+        self._lltok = None
+        self._cache.clear()
+
+    @property
+    def lltok(self) -> llg.LLTokenizer:
+        if self._lltok is None:
+            self._lltok = llg.LLTokenizer(
+                self.tokenizer.tok.to_str(),
+                n_vocab=self.tokenizer.vocab_size,
+                eos_token=list(self._eos or self.tokenizer.eos_token_ids),
+            )
+        return self._lltok
+
+    def compile(self, spec: pb.StructuredOutput) -> llg.LLMatcher:
+        """The pristine matcher of a spec (cached); GrammarError when it does not compile."""
+        key = spec_key(spec)
+        if (m := self._cache.get(key)) is not None:
+            self._cache.move_to_end(key)
+            return m
+        t0 = time.perf_counter()
+        grammar = grammar_text(spec)
+        error = llg.LLMatcher.validate_grammar(grammar, self.lltok)
+        if error:
+            raise GrammarError(f"{spec.WhichOneof('kind')}: {error}")
+        m = llg.LLMatcher(self.lltok, grammar, log_level=0)
+        if m.is_error():
+            raise GrammarError(f"{spec.WhichOneof('kind')}: {m.get_error()}")
+        metrics.grammar_compile_seconds.observe(time.perf_counter() - t0)
+        self._cache[key] = m
+        if len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return m
+
+    def start(self, spec: pb.StructuredOutput) -> GrammarState:
+        """A request's own matcher, with the mask of its first token."""
+        state = GrammarState(self.compile(spec).deep_copy(), self._size)
+        self.advance([(state, None)])
+        return state
+
+    def advance(self, pairs: list[tuple[GrammarState, int | None]]) -> None:
+        """Feed each state its sampled token (None: none, at the start) and compute the
+        masks of their next tokens, in parallel (llguidance's pool, GIL released)."""
+        if not pairs:
+            return
+        t0 = time.perf_counter()
+        live: list[GrammarState] = []
+        for st, token in pairs:
+            if token is not None and not st.matcher.consume_token(token):
+                st.dead = True  # a token the mask did not allow: cannot happen unless forced
+                continue
+            if st.matcher.is_stopped():
+                st.complete = True
+                continue
+            live.append(st)
+        if live:
+            if self._executor is None:
+                self._executor = llg.LLExecutor()
+            words = (self.tokenizer.vocab_size + 31) // 32
+            masks = np.zeros((len(live), words), dtype=np.int32)
+            self._executor.unsafe_compute_mask_ptr(
+                [(st.matcher, i) for i, st in enumerate(live)],
+                masks.ctypes.data,
+                words * 4,
+                len(live),
+            )
+            for st, row in zip(live, masks, strict=True):
+                st.set_mask(row)
+        metrics.grammar_mask_seconds.observe(time.perf_counter() - t0)
+
+
+class GrammarState:
+    """One request's matcher and the mask of its next token (without request_id)."""
+
+    __slots__ = ("complete", "dead", "mask", "matcher", "size")
+
+    def __init__(self, matcher: llg.LLMatcher, size: int) -> None:
+        self.matcher = matcher
+        self.size = size
+        self.mask: cpb.TokenMask | None = None
+        self.complete = False  # the grammar is satisfied and takes no more tokens
+        self.dead = False  # no token can continue it
+
+    def set_mask(self, words: np.ndarray) -> None:
+        self.mask = encode_mask(words, self.size)
+        if self.mask is None:
+            self.dead = True
+
+    def copy(self) -> GrammarState:
+        """For a request's other choices (n > 1)."""
+        other = GrammarState(self.matcher.deep_copy(), self.size)
+        other.mask, other.complete, other.dead = self.mask, self.complete, self.dead
+        return other
+
+
+def encode_mask(words: np.ndarray, size: int) -> cpb.TokenMask | None:
+    """llguidance's bitmask (int32 words, token i = bit i % 32 of word i // 32) in the
+    smallest TokenMask form; None when it allows nothing."""
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")[:size]
+    allowed = int(bits.sum())
+    if allowed == 0:
+        return None
+    # A varint id costs ~3 bytes; the bitmask size / 8.
+    if 3 * allowed <= size // 8:
+        return cpb.TokenMask(size=size, ids=np.flatnonzero(bits).tolist())
+    if 3 * (size - allowed) <= size // 8:
+        return cpb.TokenMask(size=size, ids=np.flatnonzero(bits == 0).tolist(), invert=True)
+    return cpb.TokenMask(size=size, bitmask=np.packbits(bits, bitorder="little").tobytes())

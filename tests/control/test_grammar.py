@@ -1,0 +1,172 @@
+"""Structured output in the control plane: grammars compiled with llguidance over the real
+bundled tokenizer, masks advanced token by token, and the wire forms of a mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.grammar import GrammarError, Grammars, GrammarState, encode_mask
+from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import control_pb2 as pb
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path: Path) -> TokenizerWrapper:
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def grammars(tok: TokenizerWrapper) -> Grammars:
+    g = Grammars(tok)
+    g.bind(tok.vocab_size, frozenset(tok.eos_token_ids))
+    return g
+
+
+def allowed_set(m: cpb.TokenMask) -> set[int]:
+    """Decode a wire mask independently of the encoder (plain Python over the bytes)."""
+    if m.bitmask:
+        return {i for i in range(m.size) if m.bitmask[i // 8] >> (i % 8) & 1}
+    if m.invert:
+        return set(range(m.size)) - set(m.ids)
+    return set(m.ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_encode_mask_round_trips_in_the_smallest_form(data: st.DataObject) -> None:
+    size = data.draw(st.integers(1, 700))
+    density = data.draw(st.sampled_from([0.0, 0.001, 0.02, 0.5, 0.98, 0.999, 1.0]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    allowed = rng.random(size) < density
+    words = np.zeros((size + 31) // 32, dtype=np.int64)
+    for i in np.flatnonzero(allowed):
+        words[i // 32] |= 1 << (i % 32)
+    m = encode_mask(words.astype(np.uint32).view(np.int32), size)
+    if not allowed.any():
+        assert m is None
+        return
+    assert m is not None and m.size == size
+    assert allowed_set(m) == set(np.flatnonzero(allowed).tolist())
+    wire = len(m.SerializeToString())
+    # Never much bigger than the bitmask alone, whichever form it took.
+    assert wire <= (size + 7) // 8 + 16
+
+
+def _walk(grammars: Grammars, spec: pb.StructuredOutput, ids: list[int]) -> GrammarState:
+    """Advance a fresh state token by token, checking each token against the mask."""
+    state = grammars.start(spec)
+    for t in ids:
+        assert state.mask is not None and t in allowed_set(state.mask), t
+        grammars.advance([(state, t)])
+    return state
+
+
+def test_valid_json_instance_is_allowed_token_by_token(
+    grammars: Grammars, tok: TokenizerWrapper
+) -> None:
+    spec = pb.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    text = json.dumps({"name": "Bob", "age": 42, "tags": ["a", "b"]})
+    state = _walk(grammars, spec, tok.encode(text, add_special_tokens=False))
+    assert state.complete and not state.dead
+
+
+def test_invalid_json_is_refused_where_it_deviates(
+    grammars: Grammars, tok: TokenizerWrapper
+) -> None:
+    spec = pb.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    good = tok.encode('{"name": "Bob", "age": ', add_special_tokens=False)
+    state = _walk(grammars, spec, good)
+    assert state.mask is not None
+    allowed = allowed_set(state.mask)
+    for text in ('"42"', "-1", "x"):  # a string, a negative age, garbage
+        assert tok.encode(text, add_special_tokens=False)[0] not in allowed, text
+    assert tok.encode("4", add_special_tokens=False)[0] in allowed
+
+
+def test_json_is_compact_so_whitespace_cannot_run_on(
+    grammars: Grammars, tok: TokenizerWrapper
+) -> None:
+    state = grammars.start(pb.StructuredOutput(json_object=True))
+    assert state.mask is not None
+    allowed = allowed_set(state.mask)
+    assert tok.encode("{", add_special_tokens=False)[0] in allowed
+    assert not any(tok.encode(w, add_special_tokens=False)[0] in allowed for w in (" ", "\n"))
+
+
+def test_choice_and_regex(grammars: Grammars, tok: TokenizerWrapper) -> None:
+    spec = pb.StructuredOutput(choice=pb.ChoiceList(choices=["yes", "no way"]))
+    state = _walk(grammars, spec, tok.encode("no way", add_special_tokens=False))
+    assert state.complete
+    regex = pb.StructuredOutput(regex=r"\d{3}-\d{4}")
+    state = _walk(grammars, regex, tok.encode("555-1234", add_special_tokens=False))
+    assert state.complete
+    state = grammars.start(regex)
+    assert state.mask is not None
+    assert tok.encode("a", add_special_tokens=False)[0] not in allowed_set(state.mask)
+
+
+def test_gbnf_and_lark_grammars(grammars: Grammars, tok: TokenizerWrapper) -> None:
+    gbnf = pb.StructuredOutput(grammar='root ::= "SELECT " [a-z]+ " FROM t"')
+    state = _walk(grammars, gbnf, tok.encode("SELECT id FROM t", add_special_tokens=False))
+    assert state.complete
+    lark = pb.StructuredOutput(grammar='start: "x" NUM\nNUM: /[0-9]+/')
+    state = _walk(grammars, lark, tok.encode("x12", add_special_tokens=False))
+    assert not state.dead
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        (pb.StructuredOutput(json_schema='{"type": "objectx"}'), "objectx"),
+        (pb.StructuredOutput(json_schema="{not json"), "not valid JSON"),
+        (pb.StructuredOutput(json_schema="[1]"), "must be a JSON object"),
+        (pb.StructuredOutput(regex="(("), "regex"),
+        (pb.StructuredOutput(choice=pb.ChoiceList()), "at least one"),
+        (pb.StructuredOutput(grammar="start: undefined_rule"), "undefined_rule"),
+        (pb.StructuredOutput(), "no kind"),
+    ],
+)
+def test_bad_specs_name_the_problem(
+    grammars: Grammars, spec: pb.StructuredOutput, needle: str
+) -> None:
+    with pytest.raises(GrammarError, match=needle):
+        grammars.compile(spec)
+
+
+def test_compiled_grammars_are_cached_and_states_independent(
+    grammars: Grammars, tok: TokenizerWrapper
+) -> None:
+    spec = pb.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    assert grammars.compile(spec) is grammars.compile(spec)
+    a, b = grammars.start(spec), grammars.start(spec)
+    grammars.advance([(a, tok.encode("{", add_special_tokens=False)[0])])
+    assert a.mask is not None and b.mask is not None
+    assert allowed_set(a.mask) != allowed_set(b.mask)
+    c = a.copy()  # another choice of the same request
+    assert c.mask is not None and allowed_set(c.mask) == allowed_set(a.mask)
+
+
+def test_a_token_the_mask_refused_makes_the_state_dead(
+    grammars: Grammars, tok: TokenizerWrapper
+) -> None:
+    state = grammars.start(pb.StructuredOutput(regex="[0-9]+"))
+    grammars.advance([(state, tok.encode("a", add_special_tokens=False)[0])])
+    assert state.dead
