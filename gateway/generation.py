@@ -6,11 +6,14 @@ The calls go over the gateway's one GenerateMany stream (gateway.multiplex).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
+from gateway import tool_calls
 from gateway.errors import APIError, from_grpc
 from gateway.multiplex import Item, Multiplexer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -22,7 +25,73 @@ FINISH: dict[int, str] = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_GRAMMAR: "grammar_dead_end",
 }
+
+
+def closed_objects(schema: Any) -> Any:
+    """OpenAI's strict mode: an object schema that does not say otherwise takes no
+    properties beyond those it lists (OpenAI requires `additionalProperties: false` on
+    every object under strict; we apply it where it is missing). Every output still
+    validates against the schema as given."""
+    if isinstance(schema, list):
+        return [closed_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    if isinstance(schema.get("properties"), dict):  # property names are not schemas
+        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
+    return out
+
+
+def structured_output(req: SamplingFields) -> pb.StructuredOutput | None:
+    """The grammar a body asks for (response_format or one guided_* field), or None."""
+    given = [
+        name
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        if getattr(req, name) is not None
+    ]
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        given.append("response_format")
+    if len(given) > 1:
+        raise APIError(
+            400,
+            f"set at most one of {', '.join(given)} (each constrains the output)",
+            param=given[1],
+        )
+    if not given:
+        return None
+    kind = given[0]
+    if kind == "response_format":
+        assert rf is not None
+        if rf.type == "json_object":
+            return pb.StructuredOutput(json_object=True)
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(
+                400,
+                "response_format json_schema needs json_schema.schema",
+                param="response_format.json_schema",
+            )
+        schema = rf.json_schema.schema_
+        if rf.json_schema.strict:
+            schema = closed_objects(schema)
+        return pb.StructuredOutput(json_schema=json.dumps(schema))
+    if kind == "guided_json":
+        g = req.guided_json
+        if isinstance(g, str):
+            try:
+                g = json.loads(g)
+            except json.JSONDecodeError as e:
+                raise APIError(400, f"guided_json is not valid JSON: {e}", param=kind) from None
+        return pb.StructuredOutput(json_schema=json.dumps(g))
+    if kind == "guided_regex":
+        return pb.StructuredOutput(regex=req.guided_regex)
+    if kind == "guided_choice":
+        return pb.StructuredOutput(choice=pb.ChoiceList(choices=req.guided_choice))
+    return pb.StructuredOutput(grammar=req.guided_grammar)
 
 
 def generation_params(
@@ -48,6 +117,8 @@ def generation_params(
     )
     if req.seed is not None:
         p.seed = req.seed % (1 << 64)
+    if (spec := structured_output(req)) is not None:
+        p.structured.CopyFrom(spec)
     return p
 
 
@@ -69,10 +140,29 @@ def completion_calls(req: CompletionRequest) -> list[pb.GenerateRequest]:
 def chat_call(req: ChatCompletionRequest) -> pb.GenerateRequest:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = generation_params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    tool_calls.check(req)
+    if (must := tool_calls.forced(req)) is not None:
+        if params.HasField("structured"):
+            raise APIError(
+                400,
+                "tool_choice required or named cannot be combined with a response "
+                "format or guided_* field",
+                param="tool_choice",
+            )
+        # A named function is called once (as vLLM and OpenAI do); "required" may call
+        # several tools when parallel_tool_calls allows it.
+        parallel = req.parallel_tool_calls and req.tool_choice == "required"
+        params.structured.grammar = tool_calls.grammar(must, parallel)
     chat = pb.ChatInput(add_generation_prompt=True)
+    if tool_calls.active(req):
+        chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in req.tools or ()])
     for m in req.messages:
         role = "system" if m.role == "developer" else m.role
-        chat.messages.add(role=role, content=m.text())
+        msg = chat.messages.add(role=role, content=m.text())
+        msg.name = m.name or ""
+        msg.tool_call_id = m.tool_call_id or ""
+        if m.tool_calls:
+            msg.tool_calls_json = json.dumps([c.model_dump() for c in m.tool_calls])
     return pb.GenerateRequest(chat=chat, params=params)
 
 

@@ -30,9 +30,22 @@ Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class Strict(BaseModel):
-    """A JSON number is not a string, nor a boolean a number: no coercion."""
+    """A JSON number is not a string, nor a boolean a number: no coercion. A field we do
+    not implement is a 400 that names it, never silently dropped."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaFormat(Strict):
+    name: Text
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(Strict):
@@ -61,6 +74,12 @@ class SamplingFields(Strict):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, lt=INT32)] = 0
     stop_token_ids: list[TokenId] | None = None
+    # Structured output: OpenAI's response_format, and vLLM's guided_* extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
     # OpenAI fields we do not implement: refused with a clear error rather than ignored.
     logit_bias: dict[str, float] | None = None
 
@@ -112,10 +131,23 @@ class TextPart(Strict):
     text: Text
 
 
+class FunctionCall(Strict):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: Text | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -123,24 +155,32 @@ class ChatMessage(Strict):
         return self.content or ""
 
 
+class FunctionDef(Strict):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Strict):
+    name: Text
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> None:
-        if v:
-            raise ValueError("tools are not supported")
-        return None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> None:
-        if v and v.get("type") not in (None, "text"):
-            raise ValueError("only response_format {'type': 'text'} is supported")
-        return None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True

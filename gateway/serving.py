@@ -17,6 +17,7 @@ from typing import Any, Generic, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway import tool_calls
 from gateway.errors import APIError
 from gateway.generation import (
     FINISH,
@@ -31,6 +32,7 @@ from gateway.generation import (
 )
 from gateway.multiplex import Multiplexer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.tool_calls import ToolStream
 from hetero_common.accumulate import ChoiceResult
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -106,6 +108,7 @@ class Call(Generic[Body]):
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' logprob offsets
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # chat with tools
 
 
 class Serving(Generic[Body]):
@@ -149,6 +152,11 @@ class Serving(Generic[Body]):
     def delta_choice(self, call: Call[Body], d: Delta) -> dict[str, Any]:
         raise NotImplementedError
 
+    def delta_choices(self, call: Call[Body], d: Delta) -> list[dict[str, Any]]:
+        """The chunks' choices a delta gives (none when it carries nothing to show)."""
+        c = d.choice
+        return [self.delta_choice(call, d)] if c.text or c.finish_reason or c.logprobs else []
+
     async def response(
         self,
         call: Call[Body],
@@ -187,9 +195,8 @@ class Serving(Generic[Body]):
                     for chunk in await self.head(call, prompt_ids):
                         yield chunk
                 for d in deltas:
-                    c = d.choice
-                    if c.text or c.finish_reason or c.logprobs:
-                        yield sse(self.chunk(call, [self.delta_choice(call, d)]))
+                    for choice in self.delta_choices(call, d):
+                        yield sse(self.chunk(call, [choice]))
                 if usage is not None and include_usage:
                     yield sse(self.chunk(call, [], usage_json(usage)))
         except APIError as e:
@@ -298,6 +305,38 @@ class ChatServing(Serving[ChatCompletionRequest]):
             "finish_reason": FINISH.get(c.finish_reason),
         }
 
+    def delta_choices(self, call: Call[ChatCompletionRequest], d: Delta) -> list[dict[str, Any]]:
+        """With tools: content until it may be a tool call, then the parsed calls, one
+        `tool_calls` delta each (whole arguments), when the choice ends."""
+        body = call.body
+        if not tool_calls.active(body):
+            return super().delta_choices(call, d)
+        c = d.choice
+        st = call.tool_streams.get(d.index)
+        if st is None:
+            st = call.tool_streams[d.index] = ToolStream(
+                {t.function.name for t in body.tools or ()}
+            )
+        out: list[dict[str, Any]] = []
+        text = st.feed(c.text)
+        if c.finish_reason:
+            text += st.finish()
+        lp = chat_logprobs(list(c.logprobs)) if body.logprobs and c.logprobs else None
+        if text or lp:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            out.append({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": None})
+        if c.finish_reason:
+            for i, tc in enumerate(st.calls):
+                delta = {"tool_calls": [{"index": i, **tc}]}  # whole arguments at once
+                out.append(
+                    {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
+                )
+            reason = FINISH.get(c.finish_reason)
+            if st.calls and reason == "stop":
+                reason = "tool_calls"
+            out.append({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return out
+
     async def response(
         self,
         call: Call[ChatCompletionRequest],
@@ -305,15 +344,26 @@ class ChatServing(Serving[ChatCompletionRequest]):
         usage: pb.Usage,
         prompts: list[list[int]],
     ) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": states[i].text},
-                "logprobs": chat_logprobs(states[i].logprobs) if call.body.logprobs else None,
-                "finish_reason": FINISH.get(states[i].finish_reason),
-            }
-            for i in sorted(states)
-        ]
+        body = call.body
+        names = {t.function.name for t in body.tools or ()} if tool_calls.active(body) else None
+        choices = []
+        for i in sorted(states):
+            st = states[i]
+            message: dict[str, Any] = {"role": "assistant", "content": st.text}
+            reason = FINISH.get(st.finish_reason)
+            if names is not None:
+                content, calls = tool_calls.parse(st.text, names)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    reason = "tool_calls" if reason == "stop" else reason
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": chat_logprobs(st.logprobs) if body.logprobs else None,
+                    "finish_reason": reason,
+                }
+            )
         out = self.chunk(call, choices, usage_json(usage))
         out["object"] = "chat.completion"
         return out

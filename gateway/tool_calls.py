@@ -1,0 +1,193 @@
+"""Tool calling on /v1/chat/completions: checks, the grammar of a forced call, and the
+parser that turns the model's tool-call text into OpenAI `tool_calls`.
+
+Formats parsed (whichever the model writes):
+- `<tool_call>...</tool_call>` blocks (Hermes / Qwen 2.5-3: one JSON object per block;
+  the bundled SmolLM2: a JSON list of calls in one block);
+- Llama 3 JSON: the whole answer is `{"name": ..., "parameters"|"arguments": {...}}`,
+  maybe after `<|python_tag|>`.
+
+`tool_choice` "required" or a named function constrains the output with a grammar
+(structured output) so every call parses and its arguments validate against the
+function's parameters schema: `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.errors import APIError
+from gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+# As control_plane.grammar.JSON_OPTIONS: compact JSON, no free whitespace.
+_X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def check(body: ChatCompletionRequest) -> None:
+    """OpenAI's rules: tool_choice needs tools; a named function must be one of them."""
+    choice = body.tool_choice
+    if choice is not None and choice != "none" and not body.tools:
+        raise APIError(400, "tool_choice is set but no tools are given", param="tool_choice")
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in body.tools or ()]
+        if choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names function {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(names)})",
+                param="tool_choice",
+            )
+    seen: set[str] = set()
+    for i, t in enumerate(body.tools or ()):
+        if t.function.name in seen:
+            raise APIError(
+                400, f"tools[{i}]: function name {t.function.name!r} repeats", param="tools"
+            )
+        seen.add(t.function.name)
+        params = t.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise APIError(
+                400, f"tools[{i}].function.parameters must be an object schema", param="tools"
+            )
+
+
+def active(body: ChatCompletionRequest) -> bool:
+    """The model may call tools (their outputs are parsed)."""
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def forced(body: ChatCompletionRequest) -> list[Tool] | None:
+    """The tools a call must be made to ("required": any; named: that one), else None."""
+    choice, tools = body.tool_choice, body.tools or []
+    if choice == "required":
+        return tools
+    if isinstance(choice, NamedToolChoice):
+        return [t for t in tools if t.function.name == choice.function.name]
+    return None
+
+
+def call_schema(tool: Tool) -> dict[str, Any]:
+    params = tool.function.parameters or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": tool.function.name}, "arguments": params},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+
+
+def grammar(tools: list[Tool], parallel: bool) -> str:
+    """Lark (llguidance) grammar of one tool-call block of calls to these tools."""
+    schemas = [call_schema(t) for t in tools]
+    one: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    one = {**one, "x-guidance": _X_GUIDANCE}
+    more = ' (", " call)*' if parallel else ""
+    return f'start: "{OPEN}[" call{more} "]{CLOSE}"\ncall: %json {json.dumps(one)}\n'
+
+
+def _call(obj: Any, names: set[str]) -> dict[str, Any] | None:
+    """An OpenAI tool call from a parsed {"name", "arguments"|"parameters"} object."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+    }
+
+
+def _calls(value: Any, names: set[str]) -> list[dict[str, Any]] | None:
+    items = value if isinstance(value, list) else [value]
+    calls = [_call(x, names) for x in items]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+
+
+def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls). Text that is not a well-formed call stays content."""
+    if OPEN in text:
+        head, calls, rest = text.split(OPEN, 1)[0], [], text[text.index(OPEN) :]
+        while rest.startswith(OPEN):
+            end = rest.find(CLOSE)
+            body = rest[len(OPEN) : end if end >= 0 else len(rest)].strip()
+            try:
+                found = _calls(json.loads(body), names)
+            except json.JSONDecodeError:
+                found = None
+            if found is None:
+                return text, []
+            calls += found
+            rest = rest[end + len(CLOSE) :].lstrip() if end >= 0 else ""
+        if rest:
+            return text, []
+        return (head.strip() or None), calls
+    stripped = text.strip().removeprefix(PYTHON_TAG).strip()
+    if stripped.startswith(("{", "[")):
+        try:
+            found = _calls(json.loads(stripped), names)
+        except json.JSONDecodeError:
+            found = None
+        if found:
+            return None, found
+    return text, []
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice: content goes out as it comes until it may be a tool call;
+    from there the text is held and parsed when the choice ends."""
+
+    names: set[str]
+    text: str = ""
+    sent: int = 0  # characters of `text` streamed as content
+    holding: bool = False
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def feed(self, delta: str) -> str:
+        """The content to stream now."""
+        self.text += delta
+        if self.holding:
+            return ""
+        rest = self.text[self.sent :]
+        if self.sent == 0 and rest.lstrip().startswith(("{", "[", PYTHON_TAG)):
+            self.holding = True  # maybe a bare JSON call
+            return ""
+        if (at := rest.find(OPEN)) >= 0:
+            self.holding = True
+            out = rest[:at]
+            self.sent += at
+            return out
+        # Keep back a tail that may be the start of "<tool_call>" or "<|python_tag|>".
+        keep = max(_partial(rest, OPEN), _partial(rest, PYTHON_TAG) if self.sent == 0 else 0)
+        out = rest[: len(rest) - keep]
+        if self.sent == 0 and not out.strip():
+            return ""  # leading whitespace: wait to see what follows
+        self.sent += len(out)
+        return out
+
+    def finish(self) -> str:
+        """At the end: the calls (in `calls`), and what is left of the content."""
+        rest = self.text[self.sent :]
+        content, self.calls = parse(rest, self.names)
+        if self.calls:
+            # Content before the block went out already; what parse kept is the head.
+            return (content or "") if self.sent == 0 else ""
+        return rest
+
+
+def _partial(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,126 @@
+"""Tool-call parsing (Hermes / Qwen, the bundled SmolLM2's list, Llama 3 JSON), the
+streamed parser against the one-shot one, and the checks on tools and tool_choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway import tool_calls
+from gateway.errors import APIError
+from gateway.schemas import ChatCompletionRequest
+
+NAMES = {"get_weather", "add"}
+
+
+def _fn(calls: list[dict]) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (  # Hermes / Qwen: one object per block, several blocks
+            'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+            "Let me check.",
+            [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})],
+        ),
+        (  # SmolLM2: a list in one block
+            '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>',
+            None,
+            [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Oslo"})],
+        ),
+        (  # Llama 3 JSON, with "parameters"
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}',
+            None,
+            [("get_weather", {"city": "Rome"})],
+        ),
+        ('{"name": "unknown_fn", "arguments": {}}', '{"name": "unknown_fn", "arguments": {}}', []),
+        ("<tool_call>[{not json}]</tool_call>", "<tool_call>[{not json}]</tool_call>", []),
+        ("The weather is fine.", "The weather is fine.", []),
+    ],
+)
+def test_parse(text: str, content: str | None, calls: list) -> None:  # type: ignore[type-arg]
+    got_content, got_calls = tool_calls.parse(text, NAMES)
+    assert got_content == content
+    assert _fn(got_calls) == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got_calls)
+
+
+TEXTS = [
+    'Sure. <tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    '{"name": "add", "arguments": {"a": 3, "b": 4}}',
+    "No tool is needed: 2 + 2 = 4. <tool_ca is not a tag",
+    "  plain text with <| odd <tool markers",
+]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(TEXTS), st.lists(st.integers(1, 7), min_size=1, max_size=40))
+def test_streamed_parse_equals_one_shot(text: str, cuts: list[int]) -> None:
+    pieces, at = [], 0
+    for n in cuts:
+        pieces.append(text[at : at + n])
+        at += n
+    pieces.append(text[at:])
+    stream = tool_calls.ToolStream(NAMES)
+    content = "".join(stream.feed(p) for p in pieces) + stream.finish()
+    one_content, one_calls = tool_calls.parse(text, NAMES)
+    assert _fn(stream.calls) == _fn(one_calls)
+    assert content.strip() == (one_content or "").strip()
+    if not one_calls:
+        assert content == text  # text that is no call streams out whole, unchanged
+
+
+def _body(**kw: object) -> ChatCompletionRequest:
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, **kw}
+    )
+
+
+def test_checks_refuse_unknown_named_function_and_choice_without_tools() -> None:
+    with pytest.raises(APIError, match="not among the tools"):
+        tool_calls.check(_body(tool_choice={"type": "function", "function": {"name": "nope"}}))
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}
+    )
+    with pytest.raises(APIError, match="no tools"):
+        tool_calls.check(body)
+    tool_calls.check(_body(tool_choice="required"))
+    assert tool_calls.forced(_body(tool_choice="auto")) is None
+    assert tool_calls.active(_body(tool_choice="auto"))
+    assert not tool_calls.active(_body(tool_choice="none"))
+
+
+def test_forced_grammar_compiles_and_accepts_a_call(smollm2_path) -> None:  # type: ignore[no-untyped-def]
+    from control_plane.grammar import Grammars
+    from control_plane.tokenizer import load_tokenizer
+    from hetero_proto import control_pb2 as pb
+
+    tok = load_tokenizer(smollm2_path)
+    grammars = Grammars(tok)
+    body = _body(tool_choice="required")
+    spec = pb.StructuredOutput(grammar=tool_calls.grammar(tool_calls.forced(body) or [], True))
+    state = grammars.start(spec)
+    text = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>'
+    for t in tok.encode(text, add_special_tokens=False):
+        assert not state.dead
+        grammars.advance([(state, t)])
+    assert state.complete and not state.dead
+    _, calls = tool_calls.parse(text, {"get_weather"})
+    assert _fn(calls) == [("get_weather", {"city": "Paris"})]
