@@ -1,6 +1,6 @@
 """Sampling on the compute plane: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
 
-Order, as in vLLM / HF: ban ids (min_tokens) and apply penalties to the raw logits; greedy rows
+Order, as in vLLM / HF: ban ids (min_tokens), apply penalties, then logit_bias, to the raw logits; greedy rows
 take the argmax; the others divide by temperature, drop tokens outside top-k, then top-p, then
 min-p, and draw with the exponential race argmax(p / E), E ~ Exp(1).
 
@@ -64,7 +64,7 @@ def sample(
         not wants_lp
         and not masked
         and not any(banned)
-        and all(s.greedy and not s.penalised for s in specs)
+        and all(s.greedy and not s.penalised and not s.logit_bias for s in specs)
     ):
         return SampleOutput(logits.argmax(dim=-1).tolist(), None, None, None)
 
@@ -78,6 +78,9 @@ def sample(
             logits[i, list(banned[i])] = -math.inf
         if s.penalised:
             _apply_penalties(logits[i], s, prompt_token_ids[i], output_token_ids[i])
+        if s.logit_bias:
+            bias_ids = [t for t, _ in s.logit_bias]
+            logits[i, bias_ids] += torch.tensor([b for _, b in s.logit_bias], device=logits.device)
 
     chosen = logits.argmax(dim=-1)
     rand = [i for i, s in enumerate(specs) if not s.greedy]

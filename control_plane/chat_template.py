@@ -19,15 +19,31 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' tojson: json.dumps with its arguments (not jinja2's HTML-safe one)."""
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the chat template does not compile: {e}") from e
 
 
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -69,22 +85,45 @@ def render_chat(
     bos_token: str,
     eos_token: str,
     tools: list[dict[str, Any]] | None = None,
+    *,
+    continue_final_message: bool = False,
+    special_tokens: dict[str, str] | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> str:
+    """As transformers' apply_chat_template(tokenize=False): `special_tokens` (the
+    tokenizer's special_tokens_map) and `kwargs` (chat_template_kwargs) are template
+    variables too; `continue_final_message` cuts the text after the last message's
+    content, leaving that turn open."""
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError("continue_final_message and add_generation_prompt are exclusive")
     msgs = normalise_messages(messages)
     if tools and not uses_tools(template):
         msgs = with_tool_prompt(msgs, tools)
     elif not uses_tools(template):
         msgs = [_calls_as_text(m) for m in msgs]
+    variables: dict[str, Any] = {**(special_tokens or {}), **(kwargs or {})}
+    variables.update(
+        messages=msgs,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+        tools=tools or None,
+    )
     try:
-        return _compile(template).render(
-            messages=msgs,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-            tools=tools or None,
+        text = _compile(template).render(**variables)
+    except ChatTemplateError:
+        raise
+    except Exception as e:  # a template may raise anything: the request's fault, a 400
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+    if continue_final_message:
+        final = msgs[-1]["content"] if msgs else ""
+        for piece in (final, final.strip()):
+            if piece and (at := text.rfind(piece)) >= 0:
+                return text[: at + len(piece)]
+        raise ChatTemplateError(
+            "continue_final_message: the final message's content is not in the rendered chat"
         )
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template failed: {e}") from e
+    return text
 
 
 # The bundled model's (SmolLM2-Instruct's) tool-use system prompt, from its model card:

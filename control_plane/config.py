@@ -44,6 +44,10 @@ class ControlConfig(GrpcServerConfig):
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse KV blocks of identical prompt prefixes"}
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "a jinja2 chat template file that overrides the model's own"},
+    )
     stream_interval: int = field(
         default=1,
         metadata={

@@ -386,7 +386,6 @@ class ControlEngine:
         for req in reqs:
             g = req.grammar
             if g.dead:
-                req.stop_reason = "no token can continue the grammar"
                 sched.finish(req.request_id, Status.FINISHED_GRAMMAR)
             elif g.complete:
                 sched.finish(req.request_id, Status.FINISHED_STOPPED)

@@ -93,6 +93,8 @@ class InputProcessor:
             logprobs=params.logprobs,
             top_logprobs=params.top_logprobs,
         )
+        for t, bias in params.logit_bias.items():
+            sampling.logit_bias[t] = bias
         if params.min_tokens:
             # The compute plane masks these until min_tokens tokens exist.
             eos = set() if params.ignore_eos else bounds.eos_token_ids
@@ -136,5 +138,9 @@ class InputProcessor:
                 grammar=None if grammar is None else grammar if i == 0 else grammar.copy(),
             )
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            stream.choices.append(Choice(i, req, detok, StopChecker(list(params.stop))))
+            stream.choices.append(
+                Choice(
+                    i, req, detok, StopChecker(list(params.stop), params.include_stop_str_in_output)
+                )
+            )
         return stream

@@ -179,8 +179,13 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             tools = _json_list(chat.tools_json, "tools_json")
             if check_size:
                 self._check_size("".join(m["content"] for m in messages) + chat.tools_json)
+            kwargs = _json_object(chat.template_kwargs_json, "chat_template_kwargs")
             text = self.tokenizer.apply_chat_template(
-                messages, chat.add_generation_prompt, tools or None
+                messages,
+                chat.add_generation_prompt,
+                tools or None,
+                continue_final_message=chat.continue_final_message,
+                kwargs=kwargs,
             )
             return self.tokenizer.encode(text, add_special_tokens=False)
         raise AdmissionError("no input: set text, token_ids or chat")
@@ -391,7 +396,11 @@ async def serve(config: ControlConfig) -> None:
     """Serve until SIGINT/SIGTERM, then drain: refuse new requests (UNAVAILABLE) and let
     those in flight finish, up to --drain-timeout."""
     path: Path = resolve_model_path(config.model)
-    engine = ControlEngine(config, load_tokenizer(path), model_name=model_display_name(path))
+    tokenizer = load_tokenizer(path)
+    if config.chat_template:
+        tokenizer.chat_template = Path(config.chat_template).read_text()
+        log.info("chat template from %s", config.chat_template)
+    engine = ControlEngine(config, tokenizer, model_name=model_display_name(path))
     plane = GrpcPlane(config, SERVICE_NAME)
     servicer = ControlServicer(engine, model_display_name(path))
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, plane.server)
@@ -434,6 +443,18 @@ def _json_list(text: str, name: str) -> list[Any]:
         raise AdmissionError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(value, list):
         raise AdmissionError(f"{name} must be a JSON list")
+    return value
+
+
+def _json_object(text: str, name: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise AdmissionError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise AdmissionError(f"{name} must be a JSON object")
     return value
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 
 class StopChecker:
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], include: bool = False) -> None:
+        """`include`: keep the matched stop string at the end of the text."""
         self.stop = [s for s in stop if s]
+        self.include = include
         self.held = ""
         self.stopped = False
 
@@ -24,7 +26,7 @@ class StopChecker:
         if hits:
             i, s = min(hits)
             self.held, self.stopped = "", True
-            return buf[:i], s
+            return buf[: i + len(s) if self.include else i], s
         keep = self._partial_suffix(buf)
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], None

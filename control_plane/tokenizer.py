@@ -119,14 +119,37 @@ class TokenizerWrapper:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        kwargs: dict[str, Any] | None = None,
     ) -> str:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; send a plain prompt instead")
         bos = self.tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
         return render_chat(
-            self.chat_template, messages, add_generation_prompt, bos or "", eos or "", tools
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos or "",
+            eos or "",
+            tools,
+            continue_final_message=continue_final_message,
+            special_tokens=self.special_tokens,
+            kwargs=kwargs,
         )
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Template variables as transformers passes its special_tokens_map."""
+        out = {}
+        for name, tid in (
+            ("bos_token", self.bos_token_id),
+            ("eos_token", (self.eos_token_ids or (None,))[0]),
+        ):
+            if tid is not None and (piece := self.tok.id_to_token(tid)):
+                out[name] = piece
+        return out
 
 
 def load_tokenizer(path: Path) -> TokenizerWrapper:

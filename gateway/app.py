@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import math
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -19,11 +20,18 @@ from starlette.exceptions import HTTPException
 from gateway.auth import require_api_key
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, http_error
+from gateway.errors import APIError, from_grpc, http_error
+from gateway.generation import chat_call, check_model, detokenize
 from gateway.metrics import instrument
 from gateway.multiplex import Multiplexer
 from gateway.request_id import RequestIdMiddleware
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from gateway.serving import ChatServing, CompletionServing
 from gateway.slow_clients import guarded_h11
 from gateway.tracing import TracingMiddleware
@@ -75,6 +83,8 @@ class ControlLink:
 
 def _union_tag(loc: object) -> bool:
     """pydantic names the union member in an error's loc ('str', 'list[int]'); not a param."""
+    if isinstance(loc, str) and loc[:1].isupper() and loc.isidentifier():
+        return True  # a union of models names the member (TokenizeChatRequest)
     return isinstance(loc, str) and (loc in ("str", "int", "float", "bool") or "[" in loc)
 
 
@@ -110,7 +120,54 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     args = (link.model_name, link.mux, link.open, config.request_timeout)
     app.post("/v1/completions", response_model=None)(_endpoint(CompletionServing(*args)))
     app.post("/v1/chat/completions", response_model=None)(_endpoint(ChatServing(*args)))
+    app.post("/tokenize")(functools.partial(_tokenize, link))
+    app.post("/detokenize")(functools.partial(_detokenize, link))
+    app.get("/version")(_version)
     return app
+
+
+async def _tokenize(
+    link: ControlLink, body: TokenizeCompletionRequest | TokenizeChatRequest
+) -> dict[str, Any]:
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    if body.model is not None:
+        check_model(body.model, await link.model_name())
+    if isinstance(body, TokenizeChatRequest):
+        fake = ChatCompletionRequest.model_validate(
+            {
+                "model": "",
+                "messages": [m.model_dump(exclude_none=True) for m in body.messages],
+                "add_generation_prompt": body.add_generation_prompt,
+                "continue_final_message": body.continue_final_message,
+                "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()] or None,
+                "chat_template_kwargs": body.chat_template_kwargs,
+            }
+        )
+        req = pb.TokenizeRequest(
+            chat=chat_call(fake).chat, add_special_tokens=body.add_special_tokens
+        )
+    else:
+        req = pb.TokenizeRequest(text=body.prompt, add_special_tokens=body.add_special_tokens)
+    try:
+        resp = await link.open().Tokenize(req, timeout=30)
+    except grpc.aio.AioRpcError as e:
+        raise from_grpc(e) from e
+    return {
+        "count": resp.count,
+        "max_model_len": resp.max_model_len,
+        "tokens": list(resp.token_ids),
+        "token_strs": None,
+    }
+
+
+async def _detokenize(link: ControlLink, body: DetokenizeRequest) -> dict[str, Any]:
+    if body.model is not None:
+        check_model(body.model, await link.model_name())
+    return {"prompt": await detokenize(link.open(), body.tokens)}
+
+
+async def _version() -> dict[str, str]:
+    return {"version": importlib.metadata.version("hetero-paged-infer")}
 
 
 def _endpoint(serving: CompletionServing | ChatServing) -> Any:

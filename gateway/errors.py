@@ -82,9 +82,16 @@ def from_code(name: str, message: str) -> APIError:
     return _from_status(getattr(grpc.StatusCode, name, grpc.StatusCode.UNKNOWN), message)
 
 
+# Fields the control plane names at the start of its INVALID_ARGUMENT messages.
+_PARAMS = ("logit_bias", "stop_token_ids", "chat_template_kwargs", "tools_json")
+
+
 def _from_status(code: grpc.StatusCode, details: str | None) -> APIError:
     status, kind = _GRPC_TO_HTTP.get(code, (500, "internal_error"))
     param = "messages" if "chat" in (details or "") else None
+    for field in _PARAMS:  # a message that starts with the field it blames
+        if (details or "").startswith(f"{field}:"):
+            param = field
     message = details or code.name
     if status >= 500:
         log.warning("the control plane answered %s: %s", code.name, details)

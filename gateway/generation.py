@@ -16,7 +16,7 @@ import grpc
 from gateway import tool_calls
 from gateway.errors import APIError, from_grpc
 from gateway.multiplex import Item, Multiplexer
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.schemas import INT32, ChatCompletionRequest, CompletionRequest, SamplingFields
 from hetero_common.accumulate import ChoiceResult
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -113,8 +113,16 @@ def generation_params(
         ignore_eos=req.ignore_eos,
         logprobs=logprobs is not None,
         top_logprobs=logprobs or 0,
-        skip_special_tokens=True,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
+    for key, bias in (req.logit_bias or {}).items():
+        token = int(key)
+        if not 0 <= token < INT32:
+            raise APIError(
+                400, f"logit_bias: token id {token} is not a valid id", param="logit_bias"
+            )
+        p.logit_bias[token] = bias
     if req.seed is not None:
         p.seed = req.seed % (1 << 64)
     if (spec := structured_output(req)) is not None:
@@ -153,7 +161,24 @@ def chat_call(req: ChatCompletionRequest) -> pb.GenerateRequest:
         # several tools when parallel_tool_calls allows it.
         parallel = req.parallel_tool_calls and req.tool_choice == "required"
         params.structured.grammar = tool_calls.grammar(must, parallel)
-    chat = pb.ChatInput(add_generation_prompt=True)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message needs add_generation_prompt false",
+            param="continue_final_message",
+        )
+    if req.continue_final_message and req.messages[-1].role != "assistant":
+        raise APIError(
+            400,
+            "continue_final_message needs an assistant message last",
+            param="continue_final_message",
+        )
+    chat = pb.ChatInput(
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+    )
+    if req.chat_template_kwargs:
+        chat.template_kwargs_json = json.dumps(req.chat_template_kwargs)
     if tool_calls.active(req):
         chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in req.tools or ()])
     for m in req.messages:

@@ -50,6 +50,7 @@ class ResponseFormat(Strict):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (vLLM)
 
 
 class SamplingFields(Strict):
@@ -80,8 +81,11 @@ class SamplingFields(Strict):
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: Text | None = None
-    # OpenAI fields we do not implement: refused with a clear error rather than ignored.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # vLLM extensions
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
 
     @field_validator("stop")
     @classmethod
@@ -98,10 +102,11 @@ class SamplingFields(Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> None:
-        if v:
-            raise ValueError("logit_bias is not supported")
-        return None
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+        return v
 
 
 class CompletionRequest(SamplingFields):
@@ -184,3 +189,33 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM extensions: how the chat template renders the messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # prepend the open final message (continue_final_message) to the answer
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeCompletionRequest(Strict):
+    """vLLM's POST /tokenize with a prompt."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(Strict):
+    """vLLM's POST /tokenize with chat messages (rendered with the chat template)."""
+
+    model: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(Strict):
+    model: Text | None = None
+    tokens: list[TokenId]

@@ -66,7 +66,10 @@ def completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict[str, An
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top_logprobs} for lp in lps],
+        # The sampled token's entry is always there (so logprobs: 0 gives it alone), as vLLM.
+        "top_logprobs": [
+            {lp.token: lp.logprob, **{t.token: t.logprob for t in lp.top_logprobs}} for lp in lps
+        ],
         "text_offset": offsets,
     }
 
@@ -109,6 +112,9 @@ class Call(Generic[Body]):
     created: int = field(default_factory=lambda: int(time.time()))
     offsets: dict[int, int] = field(default_factory=dict)  # completions' logprob offsets
     tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # chat with tools
+    prompt_ids: list[list[int]] = field(default_factory=list)  # once every call is admitted
+    shown_prompt: set[int] = field(default_factory=set)  # choices given prompt_token_ids
+    num_generated: int = 0  # tokens streamed so far (continuous usage)
 
 
 class Serving(Generic[Body]):
@@ -129,6 +135,10 @@ class Serving(Generic[Body]):
     async def __call__(self, body: Body, request: Request) -> Response:
         model = await self.model_name()
         check_model(body.model, model)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is true", param="stream_options"
+            )
         self.check(body)
         call = Call(body, model, self.calls(body), f"{self.id_prefix}{uuid.uuid4().hex}")
         if body.stream:
@@ -186,22 +196,46 @@ class Serving(Generic[Body]):
         self, call: Call[Body], stream: AsyncIterator[StreamItem]
     ) -> AsyncIterator[bytes]:
         body = call.body
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        opts = body.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
         for chunk in await self.head(call, None):
             yield chunk
         try:
             async for deltas, usage, prompt_ids in stream:
                 if prompt_ids is not None:
+                    call.prompt_ids = prompt_ids
                     for chunk in await self.head(call, prompt_ids):
                         yield chunk
                 for d in deltas:
+                    call.num_generated += len(d.choice.token_ids)
                     for choice in self.delta_choices(call, d):
-                        yield sse(self.chunk(call, [choice]))
+                        self.add_token_ids(call, d, choice)
+                        live = self.live_usage(call) if continuous else None
+                        yield sse(self.chunk(call, [choice], live))
                 if usage is not None and include_usage:
                     yield sse(self.chunk(call, [], usage_json(usage)))
         except APIError as e:
             yield sse(e.body())
         yield sse("[DONE]")
+
+    def add_token_ids(self, call: Call[Body], d: Delta, choice: dict[str, Any]) -> None:
+        """return_token_ids: each delta's tokens; a choice's first chunk, its prompt's."""
+        if not call.body.return_token_ids:
+            return
+        choice["token_ids"] = list(d.choice.token_ids)
+        if d.index not in call.shown_prompt and call.prompt_ids:
+            call.shown_prompt.add(d.index)
+            choice["prompt_token_ids"] = call.prompt_ids[d.index // call.body.n]
+
+    def live_usage(self, call: Call[Body]) -> dict[str, Any]:
+        """Usage so far (stream_options.continuous_usage_stats)."""
+        prompt = sum(len(p) for p in call.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": call.num_generated,
+            "total_tokens": prompt + call.num_generated,
+        }
 
     async def collect(self, call: Call[Body]) -> dict[str, Any]:
         states, usage, prompts = await collect_calls(self.mux, call.calls, self.timeout)
@@ -268,9 +302,15 @@ class CompletionServing(Serving[CompletionRequest]):
                 completion_logprobs(st.logprobs, len(prefix)) if body.logprobs is not None else None
             )
             reason = FINISH.get(st.finish_reason)
-            choices.append(
-                {"index": idx, "text": prefix + st.text, "logprobs": lp, "finish_reason": reason}
-            )
+            choice = {
+                "index": idx,
+                "text": prefix + st.text,
+                "logprobs": lp,
+                "finish_reason": reason,
+            }
+            if body.return_token_ids:
+                choice.update(prompt_token_ids=prompts[idx // body.n], token_ids=st.token_ids)
+            choices.append(choice)
         return self.chunk(call, choices, usage_json(usage))
 
 
@@ -287,7 +327,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
     ) -> list[bytes]:
         if prompt_ids is not None:
             return []
-        first = {"role": "assistant", "content": ""}
+        first = {"role": "assistant", "content": self.echo(call.body)}
         choices = [
             {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
             for i in range(call.body.n)
@@ -337,6 +377,12 @@ class ChatServing(Serving[ChatCompletionRequest]):
             out.append({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return out
 
+    @staticmethod
+    def echo(body: ChatCompletionRequest) -> str:
+        """With echo, the last message's text when it is the assistant's (continued)."""
+        last = body.messages[-1]
+        return last.text() if body.echo and last.role == "assistant" else ""
+
     async def response(
         self,
         call: Call[ChatCompletionRequest],
@@ -345,25 +391,29 @@ class ChatServing(Serving[ChatCompletionRequest]):
         prompts: list[list[int]],
     ) -> dict[str, Any]:
         body = call.body
+        echo = self.echo(body)
         names = {t.function.name for t in body.tools or ()} if tool_calls.active(body) else None
         choices = []
         for i in sorted(states):
             st = states[i]
-            message: dict[str, Any] = {"role": "assistant", "content": st.text}
+            message: dict[str, Any] = {"role": "assistant", "content": echo + st.text}
             reason = FINISH.get(st.finish_reason)
             if names is not None:
                 content, calls = tool_calls.parse(st.text, names)
                 if calls:
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason
-            choices.append(
-                {
-                    "index": i,
-                    "message": message,
-                    "logprobs": chat_logprobs(st.logprobs) if body.logprobs else None,
-                    "finish_reason": reason,
-                }
-            )
+            choice = {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(st.logprobs) if body.logprobs else None,
+                "finish_reason": reason,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = st.token_ids
+            choices.append(choice)
         out = self.chunk(call, choices, usage_json(usage))
         out["object"] = "chat.completion"
+        if body.return_token_ids:
+            out["prompt_token_ids"] = prompts[0]
         return out

@@ -25,6 +25,7 @@ class SamplingSpec:
     top_logprobs: int = 0
     min_tokens: int = 0
     banned_until_min: tuple[int, ...] = ()  # EOS / stop ids masked before min_tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @classmethod
     def from_proto(cls, p: pb.SamplingParams) -> SamplingSpec:
@@ -42,6 +43,7 @@ class SamplingSpec:
             top_logprobs=p.top_logprobs,
             min_tokens=p.min_tokens,
             banned_until_min=tuple(p.min_tokens_banned_ids),
+            logit_bias=tuple(sorted(p.logit_bias.items())),
         )
 
     @property
@@ -77,8 +79,17 @@ class SamplingSpec:
             return f"min_tokens must be >= 0, got {self.min_tokens}"
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+        for t, bias in self.logit_bias:
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                return f"logit_bias of token {t} must be in [-100, 100], got {bias}"
         if vocab_size is not None:
             bad = [t for t in self.banned_until_min if not 0 <= t < vocab_size]
             if bad:
                 return f"token id {bad[0]} (min_tokens_banned_ids) not in 0..{vocab_size - 1}"
+            bad = [t for t, _ in self.logit_bias if not 0 <= t < vocab_size]
+            if bad:
+                return (
+                    f"logit_bias: token id {bad[0]} is not in 0..{vocab_size - 1} "
+                    f"(the vocabulary has {vocab_size} tokens)"
+                )
         return None

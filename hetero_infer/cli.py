@@ -91,6 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         list(args.compute_arg or []),
         log_args=log_args,
         metrics_ports=(args.compute_metrics_port, args.control_metrics_port),
+        control_args=("--chat-template", args.chat_template) if args.chat_template else (),
     )
 
 
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
             default=0,
             help=f"port of the {plane} plane's /metrics (0: a free one, logged; -1: off)",
         )
+    p.add_argument(
+        "--chat-template", default=None, help="a jinja2 chat template file (overrides the model's)"
+    )
     p.add_argument(
         "--compute-arg",
         action="append",

@@ -88,6 +88,7 @@ def local_planes(
     extra_compute: tuple[str, ...] = (),
     metrics_ports: tuple[int, int] | None = None,
     log_args: tuple[str, ...] = (),
+    extra_control: tuple[str, ...] = (),
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports; yields the control plane address.
 
@@ -104,7 +105,7 @@ def local_planes(
     control_args += ["--compute", compute]
     with (
         child([*compute_args, "--metrics-port", str(kmetrics), *extra_compute], compute, quiet),
-        child([*control_args, "--metrics-port", str(cmetrics)], control, quiet),
+        child([*control_args, "--metrics-port", str(cmetrics), *extra_control], control, quiet),
     ):
         yield control
 
@@ -134,6 +135,7 @@ def serve_stack(
     compute_args: list[str],
     log_args: tuple[str, ...] = (),
     metrics_ports: tuple[int, int] = (0, 0),
+    control_args: tuple[str, ...] = (),
 ) -> int:
     """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready."""
     stop = False
@@ -150,6 +152,7 @@ def serve_stack(
         extra_compute=tuple(compute_args),
         metrics_ports=metrics_ports,
         log_args=log_args,
+        extra_control=control_args,
     ) as control:
         gw = subprocess.Popen(
             [

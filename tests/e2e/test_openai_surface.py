@@ -1,0 +1,231 @@
+"""The OpenAI (and vLLM) request fields beyond sampling, through the three planes with the
+official `openai` client: logit_bias, include_stop_str_in_output, return_token_ids,
+logprobs 0, stream_options, chat echo / continue_final_message / chat_template_kwargs,
+skip_special_tokens, --chat-template, /tokenize, /detokenize, /version, unknown fields."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import FullStack, gateway_stack
+
+pytestmark = pytest.mark.slow
+
+# The bundled model's template, plus a kwarg that changes the system line.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if shout %}LOUD{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStack]:
+    template: Path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    with gateway_stack(control_args=("--chat-template", str(template))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack: FullStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(stack: FullStack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=stack.url, timeout=60) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    (m,) = client.models.list().data
+    return m.id
+
+
+def _ids(http: httpx.Client, text: str) -> list[int]:
+    r = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_logit_bias(client: openai.OpenAI, model: str, http: httpx.Client) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, logit_bias={"49152": 1})
+    body = e.value.body
+    assert isinstance(body, dict) and body["param"] == "logit_bias"
+    assert "49152" in body["message"] and "49152 tokens" in body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, logit_bias={"x": 1})
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, logit_bias={"5": 101})
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
+    (first,) = _ids(http, plain.choices[0].text)[:1]
+    (forced,) = _ids(http, " banana")[:1]
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(forced): 100},
+        extra_body={"return_token_ids": True},
+    )
+    assert r.choices[0].model_extra["token_ids"] == [forced] * 3  # type: ignore[index]
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(first): -100},
+        extra_body={"return_token_ids": True},
+    )
+    assert r.choices[0].model_extra["token_ids"] != [first]  # type: ignore[index]
+
+
+def test_include_stop_str_and_skip_special_tokens(client: openai.OpenAI, model: str) -> None:
+    prompt = "The capital of France is Paris. The capital of France is"
+    kw = {"model": model, "prompt": prompt, "max_tokens": 20, "temperature": 0, "stop": ["city"]}
+    cut = client.completions.create(**kw).choices[0].text  # type: ignore[call-overload]
+    kept = client.completions.create(**kw, extra_body={"include_stop_str_in_output": True})  # type: ignore[call-overload]
+    assert kept.choices[0].finish_reason == "stop"
+    assert kept.choices[0].text == cut + "city"
+    im_start = 1  # <|im_start|>, a special token of the bundled model
+    kw = {
+        "model": model,
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "temperature": 0,
+        "logit_bias": {str(im_start): 100},
+    }
+    shown = client.completions.create(**kw, extra_body={"skip_special_tokens": False})  # type: ignore[call-overload]
+    assert shown.choices[0].text == "<|im_start|>" * 2
+    assert client.completions.create(**kw).choices[0].text == ""  # type: ignore[call-overload]
+
+
+def test_return_token_ids_and_logprobs_zero(
+    client: openai.OpenAI, model: str, http: httpx.Client
+) -> None:
+    prompt = "Once upon a time"
+    r = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        logprobs=0,
+        extra_body={"return_token_ids": True},
+    )
+    c = r.choices[0]
+    extra = c.model_extra or {}
+    assert extra["prompt_token_ids"] == _ids(http, prompt)
+    assert http.post("/detokenize", json={"tokens": extra["token_ids"]}).json()["prompt"] == c.text
+    assert c.logprobs is not None and c.logprobs.top_logprobs is not None
+    for tok, lp, top in zip(
+        c.logprobs.tokens or [],
+        c.logprobs.token_logprobs or [],
+        c.logprobs.top_logprobs,
+        strict=True,
+    ):
+        assert top == {tok: lp}  # logprobs 0: the sampled token's entry alone
+    streamed: list[int] = []
+    prompt_ids = None
+    for chunk in client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    ):
+        for ch in chunk.choices:
+            streamed += (ch.model_extra or {}).get("token_ids", [])
+            prompt_ids = prompt_ids or (ch.model_extra or {}).get("prompt_token_ids")
+    assert streamed == extra["token_ids"] and prompt_ids == extra["prompt_token_ids"]
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    ids = (chat.model_extra or {})["prompt_token_ids"]
+    assert ids == _ids(http, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert len((chat.choices[0].model_extra or {})["token_ids"]) == chat.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_stream_options(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=model, prompt="Hi", max_tokens=2, stream_options={"include_usage": True}
+        )
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "stream_options"
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="Hi",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body={"ignore_eos": True},
+        )
+    )
+    usages = [c.usage for c in chunks]
+    assert all(u is not None for u in usages)
+    done = [u.completion_tokens for u in usages if u is not None]
+    assert done == sorted(done) and done[-1] == 5
+    assert all(u.prompt_tokens == usages[-1].prompt_tokens for u in usages if u is not None)  # type: ignore[union-attr]
+
+
+def test_chat_echo_continue_and_template_kwargs(
+    client: openai.OpenAI, model: str, http: httpx.Client
+) -> None:
+    msgs = [
+        {"role": "user", "content": "Name a color."},
+        {"role": "assistant", "content": "My favourite color is"},
+    ]
+    r = client.chat.completions.create(
+        model=model,
+        messages=msgs,
+        max_tokens=5,
+        temperature=0,  # type: ignore[arg-type]
+        extra_body={
+            "echo": True,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "return_token_ids": True,
+        },
+    )
+    assert (r.choices[0].message.content or "").startswith("My favourite color is")
+    prompt_ids = (r.model_extra or {})["prompt_token_ids"]
+    assert prompt_ids[-len(_ids(http, " is")) :] == _ids(http, " is")  # the turn is left open
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=2,  # type: ignore[arg-type]
+            extra_body={"continue_final_message": True},  # with add_generation_prompt: exclusive
+        )
+    plain = http.post("/tokenize", json={"messages": msgs[:1]}).json()["tokens"]
+    loud = http.post(
+        "/tokenize", json={"messages": msgs[:1], "chat_template_kwargs": {"shout": True}}
+    ).json()["tokens"]
+    assert len(loud) > len(plain)  # the --chat-template file's kwarg took effect
+
+
+def test_version_and_unknown_fields(client: openai.OpenAI, model: str, http: httpx.Client) -> None:
+    assert http.get("/version").json()["version"]
+    for field, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("frobnicate", 1)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(
+                model=model, prompt="Hi", max_tokens=2, extra_body={field: value}
+            )
+        assert isinstance(e.value.body, dict) and e.value.body["param"] == field
+    r = http.post("/tokenize", json={"prompt": "x", "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
