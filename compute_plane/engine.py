@@ -330,6 +330,8 @@ class Engine:
                 self.captured_logits.setdefault(r.request_id, []).append(lg)
         if out.sampled is not None:
             self._take_samples([r for r in rows if r.samples], out.sampled, result)
+        if out.prompt_logprobs:
+            result.prompt_logprobs.extend(out.prompt_logprobs)
         c = self.counters
         for r in rows:
             np_ = r.state.num_prompt_tokens

@@ -19,6 +19,7 @@ from compute_plane.kv_cache import KVCache
 from compute_plane.model import Model
 from compute_plane.requests import Row
 from compute_plane.sampler import SampleOutput, sample
+from hetero_proto import compute_pb2 as pb
 
 
 @dataclass
@@ -37,6 +38,7 @@ class StepOutput:
     forward_ns: int
     sample_ns: int
     logits_by_row: list[torch.Tensor] | None = None  # with capture_logits: every token's
+    prompt_logprobs: list[pb.PromptLogprobs] | None = None  # rows that asked for them
 
 
 class ModelRunner:
@@ -130,12 +132,45 @@ class ModelRunner:
         every = None
         if capture_logits:
             every = list(self.model.logits(hidden).split([r.count for r in rows]))
+        prompt_lps = self._prompt_logprobs(rows, hidden)
         t1 = time.perf_counter_ns()
         sampled = None
         if x.sample_rows:
             sampled = self._sample(x.sample_rows, self.model.logits(hidden[x.sample_index]))
         t2 = time.perf_counter_ns()
-        return StepOutput(sampled, int(x.input_ids.numel()), t1 - t0, t2 - t1, every)
+        return StepOutput(sampled, int(x.input_ids.numel()), t1 - t0, t2 - t1, every, prompt_lps)
+
+    def _prompt_logprobs(
+        self, rows: list[Row], hidden: torch.Tensor
+    ) -> list[pb.PromptLogprobs] | None:
+        """For rows that asked: each computed prompt position's logits score the prompt
+        token after it (logprob, rank, top ones), as vLLM's prompt_logprobs."""
+        out = None
+        offset = 0
+        for r in rows:
+            st, k = r.state, r.state.sampling.prompt_logprobs
+            last = min(r.start + r.count, st.num_prompt_tokens - 1)
+            if k is not None and last > r.start:
+                n = last - r.start
+                logp = torch.log_softmax(self.model.logits(hidden[offset : offset + n]).float(), -1)
+                targets = torch.tensor(st.token_ids[r.start + 1 : last + 1], device=logp.device)
+                lp = logp.gather(1, targets[:, None])
+                ranks = (logp > lp).sum(dim=1) + 1
+                msg = pb.PromptLogprobs(request_id=r.request_id, start=r.start + 1)
+                top = logp.topk(k, dim=-1) if k else None
+                for i, (t, v, rank) in enumerate(
+                    zip(targets.tolist(), lp[:, 0].tolist(), ranks.tolist(), strict=True)
+                ):
+                    tr = msg.tokens.add(token_id=t, logprob=v, rank=rank)
+                    if top is not None:
+                        for tid, tv in zip(
+                            top.indices[i].tolist(), top.values[i].tolist(), strict=True
+                        ):
+                            tr.top_logprobs.add(token_id=tid, logprob=tv)
+                out = [] if out is None else out
+                out.append(msg)
+            offset += r.count
+        return out
 
     @staticmethod
     def _sample(rows: list[Row], logits: torch.Tensor) -> SampleOutput:

@@ -224,7 +224,9 @@ class ControlEngine:
         )
         self._trace(stream, traceparent, max_tokens)
         _queue(sched, stream)
-        plain = len(stream.choices) == 1 and not (params.logprobs or params.top_logprobs)
+        plain = len(stream.choices) == 1 and not (
+            params.logprobs or params.top_logprobs or params.HasField("prompt_logprobs")
+        )
         if outbox is not None and packed and plain:
             stream.pack_into = outbox
         self.outputs.add(stream)

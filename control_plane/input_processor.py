@@ -102,6 +102,8 @@ class InputProcessor:
             sampling.min_tokens_banned_ids.extend(sorted(set(params.stop_token_ids) | eos))
         if params.HasField("seed"):
             sampling.seed = (params.seed + index) % (1 << 64)  # choices differ, reproducibly
+        if params.HasField("prompt_logprobs") and index == 0:  # the others fork its prompt
+            sampling.prompt_logprobs = params.prompt_logprobs
         return sampling
 
     def make_stream(
@@ -136,6 +138,8 @@ class InputProcessor:
                 eos_token_ids=bounds.eos_token_ids,
                 stop_token_ids=frozenset(params.stop_token_ids),
                 grammar=None if grammar is None else grammar if i == 0 else grammar.copy(),
+                # Its prompt's logits are all needed: a prefix-cache hit would skip them.
+                skip_prefix_cache=params.HasField("prompt_logprobs"),
             )
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             stream.choices.append(

@@ -73,6 +73,9 @@ class OutputProcessor:
         gaps: list[float] = []  # inter-token latencies seen by this step's tokens
         logprobs = {r.request_id: r for r in result.results} if result.results else None
         choices = self.choices
+        for p in result.prompt_logprobs:
+            if (entry := choices.get(p.request_id)) is not None:
+                entry[1].add_prompt_logprobs(p)
         for rid, token in sampled.items():
             entry = choices.get(rid)
             if entry is None:

@@ -36,6 +36,17 @@ class Choice:
     # their logprobs when the request asked for them.
     pending: list[int] = field(default_factory=list)
     pending_logprobs: list[cpb.TokenResult] = field(default_factory=list)
+    # Prompt logprobs (positions 1..), gathered from the steps that computed the prompt,
+    # sent once with the first delta.
+    prompt_logprobs: list[cpb.TokenResult] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    def add_prompt_logprobs(self, p: cpb.PromptLogprobs) -> None:
+        """Keep the positions not seen yet (a recompute after preemption repeats them)."""
+        have = len(self.prompt_logprobs)
+        skip = have + 1 - p.start
+        if skip >= 0:
+            self.prompt_logprobs.extend(p.tokens[skip:])
 
 
 class Outbox(Protocol):
@@ -148,6 +159,9 @@ class GenerateStream:
             delta.index = choice.index
         delta.stop_token_id = -1
         delta.token_ids.extend(tokens)
+        if choice.prompt_logprobs and not choice.prompt_logprobs_sent:
+            choice.prompt_logprobs_sent = True
+            delta.prompt_logprobs.extend([self._logprob(r) for r in choice.prompt_logprobs])
         if choice.request.sampling.logprobs:
             lps = choice.pending_logprobs[: len(tokens)]
             delta.logprobs.extend([self._logprob(r) for r in lps])
@@ -182,6 +196,7 @@ class GenerateStream:
             token=t.token_text(r.token_id),
             token_bytes=t.token_bytes(r.token_id),
             logprob=r.logprob,
+            rank=r.rank,
         )
         for top in r.top_logprobs:
             lp.top_logprobs.add(

@@ -47,6 +47,7 @@ class Request:
     first_scheduled_time: float | None = None
     traceparent: str = ""  # the control plane's span of its stream, for the compute plane's
     grammar: Any = None  # control_plane.grammar.GrammarState of a constrained request
+    skip_prefix_cache: bool = False  # compute the whole prompt (prompt logprobs)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

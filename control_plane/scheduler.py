@@ -237,7 +237,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             forked = bm.holds_blocks(req.request_id)  # holds its parent's blocks
-            prefix = [] if forked else bm.find_prefix(req)
+            prefix = [] if forked or req.skip_prefix_cache else bm.find_prefix(req)
             hit = req.num_computed_tokens if forked else len(prefix) * bm.block_size
             req.num_computed_tokens = hit
             n = min(req.num_tokens - hit, budget)

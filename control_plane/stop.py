@@ -22,9 +22,11 @@ class StopChecker:
         if not self.stop:
             return text, None
         buf = self.held + text
-        hits = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
+        # The stop string that completes first wins (as when text comes a character at a
+        # time), the earlier start on a tie: the result does not depend on the chunking.
+        hits = [(i + len(s), i, s) for s in self.stop if (i := buf.find(s)) >= 0]
         if hits:
-            i, s = min(hits)
+            _, i, s = min(hits)
             self.held, self.stopped = "", True
             return buf[: i + len(s) if self.include else i], s
         keep = self._partial_suffix(buf)

@@ -125,6 +125,10 @@ def generation_params(
         p.logit_bias[token] = bias
     if req.seed is not None:
         p.seed = req.seed % (1 << 64)
+    if req.prompt_logprobs is not None:
+        p.prompt_logprobs = req.prompt_logprobs
+    elif isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        p.prompt_logprobs = req.logprobs  # echo's prompt tokens get logprobs too
     if (spec := structured_output(req)) is not None:
         p.structured.CopyFrom(spec)
     return p

@@ -86,6 +86,7 @@ class SamplingFields(Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @field_validator("stop")
     @classmethod

@@ -74,6 +74,40 @@ def completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict[str, An
     }
 
 
+def vllm_prompt_logprobs(lps: list[pb.TokenLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token a dict of
+    token id -> {logprob, rank, decoded_token}: the prompt token and the most likely ones."""
+    out: list[dict[str, Any] | None] = [None]
+    for lp in lps:
+        entry = {
+            str(t.token_id): {"logprob": t.logprob, "rank": k + 1, "decoded_token": t.token}
+            for k, t in enumerate(lp.top_logprobs)
+        }
+        entry[str(lp.token_id)] = {
+            "logprob": lp.logprob,
+            "rank": lp.rank,
+            "decoded_token": lp.token,
+        }
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(first: str, lps: list[pb.TokenLogprob]) -> dict[str, Any]:
+    """Completions' logprobs of an echoed prompt: its first token has none (nothing
+    precedes it), the others theirs, from offset 0."""
+    body = completion_logprobs(lps, len(first))
+    return {
+        "tokens": [first, *body["tokens"]],
+        "token_logprobs": [None, *body["token_logprobs"]],
+        "top_logprobs": [None, *body["top_logprobs"]],
+        "text_offset": [0, *body["text_offset"]],
+    }
+
+
+def join_logprobs(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    return b if a is None else {k: a[k] + b[k] for k in b}
+
+
 def chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:
     def one(t: Any) -> dict[str, Any]:  # a TokenLogprob or one of its top_logprobs
         return {"token": t.token, "logprob": t.logprob, "bytes": list(t.token_bytes)}
@@ -113,6 +147,10 @@ class Call(Generic[Body]):
     offsets: dict[int, int] = field(default_factory=dict)  # completions' logprob offsets
     tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # chat with tools
     prompt_ids: list[list[int]] = field(default_factory=list)  # once every call is admitted
+    echo: list[str] = field(default_factory=list)  # completions echo with logprobs, streamed
+    first_tokens: list[str] = field(default_factory=list)  # each prompt's first token's text
+    prompt_lps: dict[int, list[pb.TokenLogprob]] = field(default_factory=dict)  # by prompt
+    echoed: set[int] = field(default_factory=set)
     shown_prompt: set[int] = field(default_factory=set)  # choices given prompt_token_ids
     num_generated: int = 0  # tokens streamed so far (continuous usage)
 
@@ -220,7 +258,10 @@ class Serving(Generic[Body]):
         yield sse("[DONE]")
 
     def add_token_ids(self, call: Call[Body], d: Delta, choice: dict[str, Any]) -> None:
-        """return_token_ids: each delta's tokens; a choice's first chunk, its prompt's."""
+        """return_token_ids: each delta's tokens; a choice's first chunk, its prompt's.
+        prompt_logprobs: on the chunk of the delta that carries them."""
+        if d.choice.prompt_logprobs and call.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(list(d.choice.prompt_logprobs))
         if not call.body.return_token_ids:
             return
         choice["token_ids"] = list(d.choice.token_ids)
@@ -246,10 +287,6 @@ class CompletionServing(Serving[CompletionRequest]):
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
 
-    def check(self, body: CompletionRequest) -> None:
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported", param="echo")
-
     def calls(self, body: CompletionRequest) -> list[pb.GenerateRequest]:
         return completion_calls(body)
 
@@ -271,6 +308,11 @@ class CompletionServing(Serving[CompletionRequest]):
         if prompt_ids is None or not call.body.echo:
             return []
         echo, n = await self.prefixes(call, prompt_ids), call.body.n
+        if call.body.logprobs is not None:
+            # Sent with each choice's first delta, which brings the prompt's logprobs.
+            call.echo = echo
+            call.first_tokens = [await self.first_token(ids) for ids in prompt_ids]
+            return []
         choices = [
             {"index": i * n + k, "text": echo[i], "logprobs": None, "finish_reason": None}
             for i in range(len(call.calls))
@@ -278,14 +320,27 @@ class CompletionServing(Serving[CompletionRequest]):
         ]
         return [sse(self.chunk(call, choices))]
 
+    async def first_token(self, ids: list[int]) -> str:
+        return await detokenize(self.stub(), ids[:1]) if ids else ""
+
     def delta_choice(self, call: Call[CompletionRequest], d: Delta) -> dict[str, Any]:
         c, lp = d.choice, None
-        if call.body.logprobs is not None:
+        body = call.body
+        text, head = c.text, None
+        prompt = d.index // body.n
+        if c.prompt_logprobs:
+            call.prompt_lps[prompt] = list(c.prompt_logprobs)
+        if call.echo and d.index not in call.echoed:  # echo with logprobs, streamed
+            call.echoed.add(d.index)
+            text = call.echo[prompt] + text
+            head = echo_logprobs(call.first_tokens[prompt], call.prompt_lps.get(prompt, []))
+            call.offsets[d.index] = len(call.echo[prompt])
+        if body.logprobs is not None:
             at = call.offsets.get(d.index, 0)
-            lp = completion_logprobs(list(c.logprobs), at)
+            lp = join_logprobs(head, completion_logprobs(list(c.logprobs), at))
             call.offsets[d.index] = at + sum(len(x.token) for x in c.logprobs)
         reason = FINISH.get(c.finish_reason)
-        return {"index": d.index, "text": c.text, "logprobs": lp, "finish_reason": reason}
+        return {"index": d.index, "text": text, "logprobs": lp, "finish_reason": reason}
 
     async def response(
         self,
@@ -298,9 +353,13 @@ class CompletionServing(Serving[CompletionRequest]):
         choices = []
         for idx in sorted(states):
             st, prefix = states[idx], echo[idx // body.n]
-            lp = (
-                completion_logprobs(st.logprobs, len(prefix)) if body.logprobs is not None else None
-            )
+            plps = states[idx - idx % body.n].prompt_logprobs  # choice 0 of its prompt
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(st.logprobs, len(prefix))
+                if body.echo:
+                    first = await self.first_token(prompts[idx // body.n])
+                    lp = join_logprobs(echo_logprobs(first, plps), lp)
             reason = FINISH.get(st.finish_reason)
             choice = {
                 "index": idx,
@@ -310,6 +369,8 @@ class CompletionServing(Serving[CompletionRequest]):
             }
             if body.return_token_ids:
                 choice.update(prompt_token_ids=prompts[idx // body.n], token_ids=st.token_ids)
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(plps)
             choices.append(choice)
         return self.chunk(call, choices, usage_json(usage))
 
@@ -416,4 +477,6 @@ class ChatServing(Serving[ChatCompletionRequest]):
         out["object"] = "chat.completion"
         if body.return_token_ids:
             out["prompt_token_ids"] = prompts[0]
+        if body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_logprobs)
         return out

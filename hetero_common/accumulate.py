@@ -19,12 +19,14 @@ class ChoiceResult:
     deltas: list[str] = field(default_factory=list)  # each delta's text, in order
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # a pb.FinishReason once finished
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # prompt tokens 1..
 
     def add(self, delta: pb.ChoiceDelta) -> None:
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.deltas.append(delta.text)
         self.logprobs.extend(delta.logprobs)
+        self.prompt_logprobs.extend(delta.prompt_logprobs)
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
 

@@ -26,6 +26,7 @@ class SamplingSpec:
     min_tokens: int = 0
     banned_until_min: tuple[int, ...] = ()  # EOS / stop ids masked before min_tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    prompt_logprobs: int | None = None  # score the prompt's tokens, with this many top ones
 
     @classmethod
     def from_proto(cls, p: pb.SamplingParams) -> SamplingSpec:
@@ -44,6 +45,7 @@ class SamplingSpec:
             min_tokens=p.min_tokens,
             banned_until_min=tuple(p.min_tokens_banned_ids),
             logit_bias=tuple(sorted(p.logit_bias.items())),
+            prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         )
 
     @property
@@ -79,6 +81,8 @@ class SamplingSpec:
             return f"min_tokens must be >= 0, got {self.min_tokens}"
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}"
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            return f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}"
         for t, bias in self.logit_bias:
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 return f"logit_bias of token {t} must be in [-100, 100], got {bias}"

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetero_proto/compute.proto\x12\x11hetero.compute.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xc3\x03\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x12\n\nnum_layers\x18\n \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x0b \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\x05\x12\x10\n\x08head_dim\x18\r \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0e \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x0f \x01(\x03\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x11 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x03\x12\x14\n\x0cquantization\x18\x13 \x01(\t\x12\x16\n\x0esliding_window\x18\x14 \x01(\x05\"\x92\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x1d\n\x15min_tokens_banned_ids\x18\x0c \x03(\x05\x12\x44\n\nlogit_bias\x18\r \x03(\x0b\x32\x30.hetero.compute.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xe6\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\x05\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x33\n\x08sampling\x18\x07 \x01(\x0b\x32!.hetero.compute.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\"\\\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\x05\"\xe4\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1d.hetero.compute.v1.NewRequest\x12\x38\n\ncontinuing\x18\x03 \x03(\x0b\x32$.hetero.compute.v1.ContinuingRequest\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12\x12\n\ndecode_ids\x18\x05 \x03(\t\x12+\n\x05masks\x18\x06 \x03(\x0b\x32\x1c.hetero.compute.v1.TokenMask\"[\n\tTokenMask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\x12\x0b\n\x03ids\x18\x04 \x03(\x05\x12\x0e\n\x06invert\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"y\n\x0bTokenResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1d.hetero.compute.v1.TopLogprob\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"C\n\x0eRequestFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xbd\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsampled_ids\x18\t \x03(\t\x12\x19\n\x11sampled_token_ids\x18\n \x03(\x05\x12/\n\x07results\x18\x02 \x03(\x0b\x32\x1e.hetero.compute.v1.TokenResult\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.hetero.compute.v1.StepError\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x10\n\x08num_seqs\x18\x05 \x01(\x05\x12\x12\n\nforward_ns\x18\x06 \x01(\x03\x12\x11\n\tsample_ns\x18\x07 \x01(\x03\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x31\n\x06\x66\x61iled\x18\x0b \x03(\x0b\x32!.hetero.compute.v1.RequestFailure\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse\"\x0e\n\x0cStatsRequest\"\xf0\x01\n\rStatsResponse\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\"\n\x1anum_prompt_tokens_computed\x18\x02 \x01(\x03\x12\"\n\x1anum_output_tokens_computed\x18\x03 \x01(\x03\x12\x1a\n\x12num_sampled_tokens\x18\x04 \x01(\x03\x12\x1a\n\x12num_requests_added\x18\x05 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\x05\x12\x1b\n\x13num_failed_requests\x18\x07 \x01(\x03\x12\x12\n\nnum_resets\x18\x08 \x01(\x03\x32\xc5\x02\n\x0c\x43omputePlane\x12S\n\x08\x44\x65scribe\x12\".hetero.compute.v1.DescribeRequest\x1a#.hetero.compute.v1.DescribeResponse\x12H\n\x03Run\x12\x1e.hetero.compute.v1.StepRequest\x1a\x1d.hetero.compute.v1.StepResult(\x01\x30\x01\x12J\n\x05Reset\x12\x1f.hetero.compute.v1.ResetRequest\x1a .hetero.compute.v1.ResetResponse\x12J\n\x05Stats\x12\x1f.hetero.compute.v1.StatsRequest\x1a .hetero.compute.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahetero_proto/compute.proto\x12\x11hetero.compute.v1\"\x11\n\x0f\x44\x65scribeRequest\"\xc3\x03\n\x10\x44\x65scribeResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rnum_kv_blocks\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x12\n\nvocab_size\x18\x08 \x01(\x05\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x12\n\nnum_layers\x18\n \x01(\x05\x12\x1b\n\x13num_attention_heads\x18\x0b \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x0c \x01(\x05\x12\x10\n\x08head_dim\x18\r \x01(\x05\x12\x13\n\x0bhidden_size\x18\x0e \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x0f \x01(\x03\x12\x14\n\x0c\x62os_token_id\x18\x10 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x11 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x12 \x01(\x03\x12\x14\n\x0cquantization\x18\x13 \x01(\t\x12\x16\n\x0esliding_window\x18\x14 \x01(\x05\"\xc4\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x12\x1d\n\x15min_tokens_banned_ids\x18\x0c \x03(\x05\x12\x44\n\nlogit_bias\x18\r \x03(\x0b\x32\x30.hetero.compute.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\xe6\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\x05\x12\x11\n\tblock_ids\x18\x06 \x03(\x05\x12\x33\n\x08sampling\x18\x07 \x01(\x0b\x32!.hetero.compute.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\"\\\n\x11\x43ontinuingRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\x05\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\x05\"\xe4\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x1d.hetero.compute.v1.NewRequest\x12\x38\n\ncontinuing\x18\x03 \x03(\x0b\x32$.hetero.compute.v1.ContinuingRequest\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12\x12\n\ndecode_ids\x18\x05 \x03(\t\x12+\n\x05masks\x18\x06 \x03(\x0b\x32\x1c.hetero.compute.v1.TokenMask\"[\n\tTokenMask\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x05\x12\x0f\n\x07\x62itmask\x18\x03 \x01(\x0c\x12\x0b\n\x03ids\x18\x04 \x03(\x05\x12\x0e\n\x06invert\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x87\x01\n\x0bTokenResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1d.hetero.compute.v1.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"c\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12.\n\x06tokens\x18\x03 \x03(\x0b\x32\x1e.hetero.compute.v1.TokenResult\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"C\n\x0eRequestFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xf9\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsampled_ids\x18\t \x03(\t\x12\x19\n\x11sampled_token_ids\x18\n \x03(\x05\x12/\n\x07results\x18\x02 \x03(\x0b\x32\x1e.hetero.compute.v1.TokenResult\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1c.hetero.compute.v1.StepError\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x10\n\x08num_seqs\x18\x05 \x01(\x05\x12\x12\n\nforward_ns\x18\x06 \x01(\x03\x12\x11\n\tsample_ns\x18\x07 \x01(\x03\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x31\n\x06\x66\x61iled\x18\x0b \x03(\x0b\x32!.hetero.compute.v1.RequestFailure\x12:\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32!.hetero.compute.v1.PromptLogprobs\"\x0e\n\x0cResetRequest\"\x0f\n\rResetResponse\"\x0e\n\x0cStatsRequest\"\xf0\x01\n\rStatsResponse\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\"\n\x1anum_prompt_tokens_computed\x18\x02 \x01(\x03\x12\"\n\x1anum_output_tokens_computed\x18\x03 \x01(\x03\x12\x1a\n\x12num_sampled_tokens\x18\x04 \x01(\x03\x12\x1a\n\x12num_requests_added\x18\x05 \x01(\x03\x12\x1b\n\x13num_active_requests\x18\x06 \x01(\x05\x12\x1b\n\x13num_failed_requests\x18\x07 \x01(\x03\x12\x12\n\nnum_resets\x18\x08 \x01(\x03\x32\xc5\x02\n\x0c\x43omputePlane\x12S\n\x08\x44\x65scribe\x12\".hetero.compute.v1.DescribeRequest\x1a#.hetero.compute.v1.DescribeResponse\x12H\n\x03Run\x12\x1e.hetero.compute.v1.StepRequest\x1a\x1d.hetero.compute.v1.StepResult(\x01\x30\x01\x12J\n\x05Reset\x12\x1f.hetero.compute.v1.ResetRequest\x1a .hetero.compute.v1.ResetResponse\x12J\n\x05Stats\x12\x1f.hetero.compute.v1.StatsRequest\x1a .hetero.compute.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,35 +38,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBERESPONSE']._serialized_start=69
   _globals['_DESCRIBERESPONSE']._serialized_end=520
   _globals['_SAMPLINGPARAMS']._serialized_start=523
-  _globals['_SAMPLINGPARAMS']._serialized_end=925
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=868
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=916
-  _globals['_NEWREQUEST']._serialized_start=928
-  _globals['_NEWREQUEST']._serialized_end=1158
-  _globals['_CONTINUINGREQUEST']._serialized_start=1160
-  _globals['_CONTINUINGREQUEST']._serialized_end=1252
-  _globals['_STEPREQUEST']._serialized_start=1255
-  _globals['_STEPREQUEST']._serialized_end=1483
-  _globals['_TOKENMASK']._serialized_start=1485
-  _globals['_TOKENMASK']._serialized_end=1576
-  _globals['_TOPLOGPROB']._serialized_start=1578
-  _globals['_TOPLOGPROB']._serialized_end=1625
-  _globals['_TOKENRESULT']._serialized_start=1627
-  _globals['_TOKENRESULT']._serialized_end=1748
-  _globals['_STEPERROR']._serialized_start=1750
-  _globals['_STEPERROR']._serialized_end=1792
-  _globals['_REQUESTFAILURE']._serialized_start=1794
-  _globals['_REQUESTFAILURE']._serialized_end=1861
-  _globals['_STEPRESULT']._serialized_start=1864
-  _globals['_STEPRESULT']._serialized_end=2181
-  _globals['_RESETREQUEST']._serialized_start=2183
-  _globals['_RESETREQUEST']._serialized_end=2197
-  _globals['_RESETRESPONSE']._serialized_start=2199
-  _globals['_RESETRESPONSE']._serialized_end=2214
-  _globals['_STATSREQUEST']._serialized_start=2216
-  _globals['_STATSREQUEST']._serialized_end=2230
-  _globals['_STATSRESPONSE']._serialized_start=2233
-  _globals['_STATSRESPONSE']._serialized_end=2473
-  _globals['_COMPUTEPLANE']._serialized_start=2476
-  _globals['_COMPUTEPLANE']._serialized_end=2801
+  _globals['_SAMPLINGPARAMS']._serialized_end=975
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=898
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=946
+  _globals['_NEWREQUEST']._serialized_start=978
+  _globals['_NEWREQUEST']._serialized_end=1208
+  _globals['_CONTINUINGREQUEST']._serialized_start=1210
+  _globals['_CONTINUINGREQUEST']._serialized_end=1302
+  _globals['_STEPREQUEST']._serialized_start=1305
+  _globals['_STEPREQUEST']._serialized_end=1533
+  _globals['_TOKENMASK']._serialized_start=1535
+  _globals['_TOKENMASK']._serialized_end=1626
+  _globals['_TOPLOGPROB']._serialized_start=1628
+  _globals['_TOPLOGPROB']._serialized_end=1675
+  _globals['_TOKENRESULT']._serialized_start=1678
+  _globals['_TOKENRESULT']._serialized_end=1813
+  _globals['_PROMPTLOGPROBS']._serialized_start=1815
+  _globals['_PROMPTLOGPROBS']._serialized_end=1914
+  _globals['_STEPERROR']._serialized_start=1916
+  _globals['_STEPERROR']._serialized_end=1958
+  _globals['_REQUESTFAILURE']._serialized_start=1960
+  _globals['_REQUESTFAILURE']._serialized_end=2027
+  _globals['_STEPRESULT']._serialized_start=2030
+  _globals['_STEPRESULT']._serialized_end=2407
+  _globals['_RESETREQUEST']._serialized_start=2409
+  _globals['_RESETREQUEST']._serialized_end=2423
+  _globals['_RESETRESPONSE']._serialized_start=2425
+  _globals['_RESETRESPONSE']._serialized_end=2440
+  _globals['_STATSREQUEST']._serialized_start=2442
+  _globals['_STATSREQUEST']._serialized_end=2456
+  _globals['_STATSRESPONSE']._serialized_start=2459
+  _globals['_STATSRESPONSE']._serialized_end=2699
+  _globals['_COMPUTEPLANE']._serialized_start=2702
+  _globals['_COMPUTEPLANE']._serialized_end=3027
 # @@protoc_insertion_point(module_scope)

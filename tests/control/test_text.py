@@ -155,8 +155,10 @@ def test_stop_strings_property(text: str, stops: list[str], cuts: list[int]) -> 
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out, matched = _run_stops(chunks, stops)
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    expected = text[: min(hits)] if hits else text
+    # The stop string that completes first ends the text (the earlier start on a tie).
+    ends = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    hits = [min(ends)[1]] if ends else []
+    expected = text[: hits[0]] if hits else text
     assert "".join(out) == expected
     assert (matched is not None) == bool(hits)
     if hits:

@@ -173,7 +173,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
     (
         "/v1/completions",
         {"prompt": "x", "max_tokens": 100000},

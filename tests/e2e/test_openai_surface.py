@@ -221,7 +221,7 @@ def test_chat_echo_continue_and_template_kwargs(
 
 def test_version_and_unknown_fields(client: openai.OpenAI, model: str, http: httpx.Client) -> None:
     assert http.get("/version").json()["version"]
-    for field, value in (("use_beam_search", True), ("prompt_logprobs", 1), ("frobnicate", 1)):
+    for field, value in (("use_beam_search", True), ("best_of", 2), ("frobnicate", 1)):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(
                 model=model, prompt="Hi", max_tokens=2, extra_body={field: value}
@@ -229,3 +229,56 @@ def test_version_and_unknown_fields(client: openai.OpenAI, model: str, http: htt
         assert isinstance(e.value.body, dict) and e.value.body["param"] == field
     r = http.post("/tokenize", json={"prompt": "x", "bogus": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+
+
+def test_prompt_logprobs_match_transformers(
+    client: openai.OpenAI, model: str, http: httpx.Client, hf_smollm2
+) -> None:  # type: ignore[no-untyped-def]
+    """echo + logprobs and prompt_logprobs score the prompt's tokens as transformers does
+    on the same (dequantised) weights; a second identical request (a prefix-cache hit
+    otherwise) gets them all again; streaming gives the same."""
+    import torch
+
+    prompt = "The quick brown fox jumps over the lazy dog because it"
+    ids = _ids(http, prompt)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), -1)
+    want = [logp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    want_rank = [int((logp[i] > logp[i, ids[i + 1]]).sum()) + 1 for i in range(len(ids) - 1)]
+    kw = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 2,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 2,
+    }
+    for _ in range(2):  # the second would hit the prefix cache
+        r = client.completions.create(**kw, extra_body={"prompt_logprobs": 1})  # type: ignore[call-overload]
+        c = r.choices[0]
+        assert c.text.startswith(prompt)
+        lp = c.logprobs
+        assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 2
+        got = lp.token_logprobs[1 : len(ids)]
+        assert got == pytest.approx(want, abs=0.05)
+        assert "".join(lp.tokens[: len(ids)]) == prompt
+        vllm = (c.model_extra or {})["prompt_logprobs"]
+        assert vllm[0] is None and len(vllm) == len(ids)
+        for i, entry in enumerate(vllm[1:]):
+            mine = entry[str(ids[i + 1])]
+            assert mine["logprob"] == pytest.approx(want[i], abs=0.05)
+            top2 = logp[i].topk(2).values.tolist()
+            if want_rank[i] == 1 and top2[0] - top2[1] > 0.1:  # clearly the most likely
+                assert mine["rank"] == 1
+            assert mine["rank"] >= 1
+            assert len(entry) <= 2  # the token and the 1 most likely
+    streamed_text, streamed_lps = "", []
+    for chunk in client.completions.create(**kw, stream=True):  # type: ignore[call-overload]
+        for ch in chunk.choices:
+            streamed_text += ch.text
+            if ch.logprobs is not None:
+                streamed_lps += ch.logprobs.token_logprobs or []
+    assert streamed_text == c.text
+    assert streamed_lps[0] is None and lp.token_logprobs[0] is None
+    assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)

@@ -212,11 +212,16 @@ def test_an_unimplemented_field_is_a_400_that_names_it(client: TestClient) -> No
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
-def test_echo_with_logprobs_is_refused(client: TestClient) -> None:
-    r = client.post(
-        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 1}
-    )
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
+    """echo + logprobs is served: the call asks the control plane for prompt logprobs."""
+    from gateway.generation import completion_calls
+    from gateway.schemas import CompletionRequest
+
+    body = {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": 3}
+    (call,) = completion_calls(CompletionRequest.model_validate(body))
+    assert call.params.HasField("prompt_logprobs") and call.params.prompt_logprobs == 3
+    (plain,) = completion_calls(CompletionRequest.model_validate({**body, "echo": False}))
+    assert not plain.params.HasField("prompt_logprobs")
 
 
 def test_models_and_ready(client: TestClient) -> None:
