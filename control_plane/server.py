@@ -143,10 +143,16 @@ class CallOutbox:
 
 
 class ControlServicer(pb_grpc.ControlPlaneServicer):
-    def __init__(self, engine: ControlEngine, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: ControlEngine,
+        model_name: str,
+        generation_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer: TokenizerWrapper = engine.tokenizer
         self.model_name = model_name
+        self.generation_defaults = json.dumps(generation_defaults or {})
 
     def _check_size(self, text: str) -> None:
         """Refuse a text too long for the context before spending seconds tokenising it."""
@@ -279,6 +285,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             eos_token_ids=list(self.tokenizer.eos_token_ids),
             has_chat_template=bool(self.tokenizer.chat_template),
             compute_attached=self.engine.attached.is_set(),
+            generation_defaults_json=self.generation_defaults,
         )
         if d is not None and sched is not None:
             info.max_model_len = sched.max_model_len
@@ -402,7 +409,7 @@ async def serve(config: ControlConfig) -> None:
         log.info("chat template from %s", config.chat_template)
     engine = ControlEngine(config, tokenizer, model_name=model_display_name(path))
     plane = GrpcPlane(config, SERVICE_NAME)
-    servicer = ControlServicer(engine, model_display_name(path))
+    servicer = ControlServicer(engine, model_display_name(path), generation_defaults(path))
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, plane.server)
     await plane.start()
     await engine.start()
@@ -432,6 +439,27 @@ async def _follow_attachment(engine: ControlEngine, health: HealthReporter) -> N
             await health.set(now)
             serving = now
         await asyncio.sleep(0.2)
+
+
+# The generation_config.json fields that are request defaults (vLLM's --generation-config).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: Path) -> dict[str, Any]:
+    """A model folder's generation_config.json sampling defaults ({} for a GGUF file or
+    a folder without one)."""
+    file = path / "generation_config.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("ignoring %s: %s", file, e)
+        return {}
+    out = {k: config[k] for k in GENERATION_DEFAULTS if isinstance(config.get(k), int | float)}
+    if out:
+        log.info("sampling defaults from %s: %s", file, out)
+    return out
 
 
 def _json_list(text: str, name: str) -> list[Any]:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import importlib.metadata
+import json
 import math
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -49,6 +50,7 @@ class ControlLink:
         self.stub: pb_grpc.ControlPlaneStub | None = None
         self.mux = Multiplexer(self.open)  # every generate call goes over its one stream
         self._model: str | None = config.served_model_name
+        self._defaults: dict[str, Any] | None = None
         if config.control_tls.enabled:  # read the certificates now: a bad path stops start-up
             config.control_tls.credentials()
 
@@ -74,6 +76,13 @@ class ControlLink:
         await self.mux.close()
         if self.channel is not None:
             await self.channel.close()
+
+    async def defaults(self) -> dict[str, Any]:
+        """The model's generation_config.json sampling defaults (fetched once)."""
+        if self._defaults is None:
+            info = await self.info()
+            self._defaults = json.loads(info.generation_defaults_json or "{}")
+        return self._defaults
 
     async def model_name(self) -> str:
         if self._model is None:
@@ -117,7 +126,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     app.get("/health")(_health)
     app.get("/ready")(functools.partial(_ready, link))
     app.get("/v1/models")(functools.partial(_models, link))
-    args = (link.model_name, link.mux, link.open, config.request_timeout)
+    args = (link.model_name, link.mux, link.open, config.request_timeout, link.defaults)
     app.post("/v1/completions", response_model=None)(_endpoint(CompletionServing(*args)))
     app.post("/v1/chat/completions", response_model=None)(_endpoint(ChatServing(*args)))
     app.post("/tokenize")(functools.partial(_tokenize, link))

@@ -117,6 +117,15 @@ def chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:
     }
 
 
+def apply_defaults(body: Any, defaults: dict[str, Any]) -> None:
+    """The model's sampling defaults for the fields the request left out (vLLM's
+    --generation-config auto)."""
+    for name, value in defaults.items():
+        if name not in body.model_fields_set and name in type(body).model_fields:
+            field_type = type(getattr(body, name))
+            setattr(body, name, field_type(value))
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """Run `work`; if the client goes away first, cancel it (and so its gRPC calls)."""
     task = asyncio.ensure_future(work)
@@ -167,12 +176,18 @@ class Serving(Generic[Body]):
         mux: Multiplexer,
         stub: Callable[[], pb_grpc.ControlPlaneStub],
         timeout: float,
+        defaults: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
+        """`defaults`: the model's sampling defaults (generation_config.json), for the
+        fields a request leaves out."""
         self.model_name, self.mux, self.stub, self.timeout = model_name, mux, stub, timeout
+        self.defaults = defaults
 
     async def __call__(self, body: Body, request: Request) -> Response:
         model = await self.model_name()
         check_model(body.model, model)
+        if self.defaults is not None:
+            apply_defaults(body, await self.defaults())
         if body.stream_options is not None and not body.stream:
             raise APIError(
                 400, "stream_options is only allowed when stream is true", param="stream_options"

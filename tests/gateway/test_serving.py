@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,9 +68,13 @@ class FakeLink:
     def __init__(self) -> None:
         self.mux = FakeMux()
         self.closed = False
+        self.sampling_defaults: dict[str, Any] = {}
 
     async def model_name(self) -> str:
         return MODEL
+
+    async def defaults(self) -> dict[str, Any]:
+        return self.sampling_defaults
 
     async def info(self, timeout: float = 2.0) -> pb.ModelInfoResponse:
         return pb.ModelInfoResponse(model_name=MODEL, max_model_len=2048, compute_attached=True)
@@ -228,3 +233,22 @@ def test_models_and_ready(client: TestClient) -> None:
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
     assert client.get("/ready").json() == {"status": "ready", "model": MODEL}
     assert client.get("/health").json() == {"status": "ok"}
+
+
+def test_generation_config_defaults_fill_only_fields_left_out(
+    client: TestClient, link: FakeLink, tmp_path: Path
+) -> None:
+    from control_plane.server import generation_defaults
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps(
+            {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "bos_token_id": 1}
+        )
+    )
+    link.sampling_defaults = generation_defaults(tmp_path)
+    assert link.sampling_defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    assert generation_defaults(tmp_path / "missing") == {}
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "top_p": 0.5})
+    params = link.mux.calls[-1].params
+    assert params.temperature == pytest.approx(0.6) and params.top_k == 20
+    assert params.top_p == pytest.approx(0.5)  # the request's own value wins
