@@ -182,10 +182,12 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             messages = chat_messages(chat)
             if not messages:
                 raise AdmissionError("chat input has no messages")
-            tools = _json_list(chat.tools_json, "tools_json")
+            tools = _json(chat.tools_json, "tools_json", list)
             if check_size:
                 self._check_size("".join(m["content"] for m in messages) + chat.tools_json)
-            kwargs = _json_object(chat.template_kwargs_json, "chat_template_kwargs")
+            kwargs = _json(chat.template_kwargs_json, "chat_template_kwargs", dict)
+            if chat.documents_json:
+                kwargs["documents"] = _json(chat.documents_json, "documents", list)
             text = self.tokenizer.apply_chat_template(
                 messages,
                 chat.add_generation_prompt,
@@ -462,27 +464,16 @@ def generation_defaults(path: Path) -> dict[str, Any]:
     return out
 
 
-def _json_list(text: str, name: str) -> list[Any]:
+def _json(text: str, name: str, kind: type[list[Any]] | type[dict[str, Any]]) -> Any:
+    """A JSON list or object from a request field ("" is an empty one)."""
     if not text:
-        return []
+        return kind()
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise AdmissionError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(value, list):
-        raise AdmissionError(f"{name} must be a JSON list")
-    return value
-
-
-def _json_object(text: str, name: str) -> dict[str, Any]:
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise AdmissionError(f"{name} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise AdmissionError(f"{name} must be a JSON object")
+    if not isinstance(value, kind):
+        raise AdmissionError(f"{name} must be a JSON {'list' if kind is list else 'object'}")
     return value
 
 
@@ -497,7 +488,7 @@ def chat_messages(chat: pb.ChatInput) -> list[dict[str, Any]]:
         if m.tool_call_id:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls_json:
-            calls = _json_list(m.tool_calls_json, f"messages[{i}].tool_calls_json")
+            calls = _json(m.tool_calls_json, f"messages[{i}].tool_calls_json", list)
             for c in calls:
                 fn = c.get("function") if isinstance(c, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):

@@ -183,6 +183,8 @@ def chat_call(req: ChatCompletionRequest) -> pb.GenerateRequest:
     )
     if req.chat_template_kwargs:
         chat.template_kwargs_json = json.dumps(req.chat_template_kwargs)
+    if req.documents:
+        chat.documents_json = json.dumps(req.documents)
     if tool_calls.active(req):
         chat.tools_json = json.dumps([t.model_dump(exclude_none=True) for t in req.tools or ()])
     for m in req.messages:

@@ -149,7 +149,8 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # OpenAI's roles, or any other the model's chat template knows (e.g. "ipython").
+    role: Annotated[Text, Field(min_length=1, max_length=64)]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
@@ -195,6 +196,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     echo: bool = False  # prepend the open final message (continue_final_message) to the answer
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Text]] | None = None  # RAG documents, for templates that use them
 
 
 class TokenizeCompletionRequest(Strict):

@@ -167,3 +167,15 @@ def test_loopcontrols_tojson_arguments_and_errors() -> None:
         render_chat("{% for %}", msgs, False, "", "")
     with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
         render_chat("{{ 1 // 0 }}", msgs, False, "", "")
+
+
+def test_documents_and_custom_roles_render_as_transformers() -> None:
+    t = (
+        "{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    )
+    docs = [{"title": "A", "text": "alpha"}, {"title": "B", "text": "beta"}]
+    msgs = [{"role": "ipython", "content": "x"}, {"role": "user", "content": "y"}]
+    ours = render_chat(t, msgs, False, "", "", kwargs={"documents": docs})
+    theirs = _hf(t, "", "</s>").apply_chat_template(msgs, documents=docs, tokenize=False)
+    assert ours == theirs and "[B] beta" in ours and "<ipython>x" in ours
