@@ -59,9 +59,16 @@ class InputProcessor:
             )
         vocab = bounds.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise AdmissionError(f"prompt token ids must be in 0..{vocab - 1}")
+            bad_id = next(t for t in prompt_ids if not 0 <= t < vocab)
+            raise AdmissionError(
+                f"prompt token id {bad_id} is out of vocabulary (ids must be in 0..{vocab - 1}; "
+                f"the vocabulary has {vocab} tokens)"
+            )
         if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
-            raise AdmissionError(f"stop_token_ids: token id {bad[0]} is not in 0..{vocab - 1}")
+            raise AdmissionError(
+                f"stop_token_ids: token id {bad[0]} is not in 0..{vocab - 1} "
+                f"(the vocabulary has {vocab} tokens)"
+            )
         max_tokens = params.max_tokens or bounds.max_model_len - len(prompt_ids)
         if params.min_tokens > max_tokens:
             raise AdmissionError(

@@ -16,7 +16,13 @@ import grpc
 from gateway import tool_calls
 from gateway.errors import APIError, from_grpc
 from gateway.multiplex import Item, Multiplexer
-from gateway.schemas import INT32, ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.schemas import (
+    INT32,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseFormat,
+    SamplingFields,
+)
 from hetero_common.accumulate import ChoiceResult
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -48,6 +54,27 @@ def closed_objects(schema: Any) -> Any:
 
 def structured_output(req: SamplingFields) -> pb.StructuredOutput | None:
     """The grammar a body asks for (response_format or one guided_* field), or None."""
+    so = req.structured_outputs
+    if so is not None:  # vLLM's newer spelling: the same as the guided_* field
+        fields = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar}
+        inner = [k for k, v in {**fields, "json_object": so.json_object}.items() if v]
+        if len(inner) != 1:
+            raise APIError(
+                400,
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                "json_object",
+                param="structured_outputs",
+            )
+        if inner[0] == "json_object":
+            if req.response_format is not None and req.response_format.type != "text":
+                raise APIError(
+                    400,
+                    "set at most one of response_format, structured_outputs",
+                    param="structured_outputs",
+                )
+            req = req.model_copy(update={"response_format": ResponseFormat(type="json_object")})
+        else:
+            req = req.model_copy(update={f"guided_{inner[0]}": fields[inner[0]]})
     given = [
         name
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

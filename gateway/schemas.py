@@ -43,6 +43,16 @@ class JsonSchemaFormat(Strict):
     strict: bool | None = None
 
 
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs` (the newer name of its guided_* fields): one of them."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -81,6 +91,7 @@ class SamplingFields(Strict):
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # vLLM extensions
     skip_special_tokens: bool = True

@@ -33,7 +33,7 @@ from gateway.generation import (
 from gateway.multiplex import Multiplexer
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tool_calls import ToolStream
-from hetero_common.accumulate import ChoiceResult
+from hetero_common.accumulate import ChoiceResult, stop_reason
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -208,8 +208,9 @@ class Serving(Generic[Body]):
     def calls(self, body: Body) -> list[pb.GenerateRequest]:
         raise NotImplementedError
 
-    async def head(self, call: Call[Body], prompt_ids: list[list[int]] | None) -> list[bytes]:
-        """Chunks before the deltas (prompt_ids: once every call is admitted)."""
+    async def head(self, call: Call[Body], prompt_ids: list[list[int]]) -> list[dict[str, Any]]:
+        """Choices of the chunks before the deltas, one chunk each (once every call is
+        admitted)."""
         return []
 
     def delta_choice(self, call: Call[Body], d: Delta) -> dict[str, Any]:
@@ -231,8 +232,14 @@ class Serving(Generic[Body]):
 
     # The skeleton.
     def chunk(
-        self, call: Call[Body], choices: list[dict[str, Any]], usage: dict[str, Any] | None = None
+        self,
+        call: Call[Body],
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        first: bool = False,
     ) -> dict[str, Any]:
+        """A chunk (or, with the whole choices and usage, a response); `first`: a choice's
+        opening chunk (chat with return_token_ids gives the prompt's ids there)."""
         return {
             "id": call.id,
             "object": self.chunk_object,
@@ -251,15 +258,15 @@ class Serving(Generic[Body]):
         body = call.body
         opts = body.stream_options
         include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
-        for chunk in await self.head(call, None):
-            yield chunk
+        # vLLM: usage on every chunk only when the final usage is asked for too.
+        continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         try:
             async for deltas, usage, prompt_ids in stream:
                 if prompt_ids is not None:
                     call.prompt_ids = prompt_ids
-                    for chunk in await self.head(call, prompt_ids):
-                        yield chunk
+                    for k, choice in enumerate(await self.head(call, prompt_ids)):
+                        live = self.live_usage(call) if continuous else None
+                        yield sse(self.chunk(call, [choice], live, first=k == 0))
                 for d in deltas:
                     call.num_generated += len(d.choice.token_ids)
                     for choice in self.delta_choices(call, d):
@@ -318,9 +325,9 @@ class CompletionServing(Serving[CompletionRequest]):
         return out
 
     async def head(
-        self, call: Call[CompletionRequest], prompt_ids: list[list[int]] | None
-    ) -> list[bytes]:
-        if prompt_ids is None or not call.body.echo:
+        self, call: Call[CompletionRequest], prompt_ids: list[list[int]]
+    ) -> list[dict[str, Any]]:
+        if not call.body.echo:
             return []
         echo, n = await self.prefixes(call, prompt_ids), call.body.n
         if call.body.logprobs is not None:
@@ -328,12 +335,11 @@ class CompletionServing(Serving[CompletionRequest]):
             call.echo = echo
             call.first_tokens = [await self.first_token(ids) for ids in prompt_ids]
             return []
-        choices = [
+        return [
             {"index": i * n + k, "text": echo[i], "logprobs": None, "finish_reason": None}
             for i in range(len(call.calls))
             for k in range(n)
         ]
-        return [sse(self.chunk(call, choices))]
 
     async def first_token(self, ids: list[int]) -> str:
         return await detokenize(self.stub(), ids[:1]) if ids else ""
@@ -355,7 +361,13 @@ class CompletionServing(Serving[CompletionRequest]):
             lp = join_logprobs(head, completion_logprobs(list(c.logprobs), at))
             call.offsets[d.index] = at + sum(len(x.token) for x in c.logprobs)
         reason = FINISH.get(c.finish_reason)
-        return {"index": d.index, "text": text, "logprobs": lp, "finish_reason": reason}
+        return {
+            "index": d.index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": reason,
+            "stop_reason": stop_reason(c) if c.finish_reason else None,
+        }
 
     async def response(
         self,
@@ -376,16 +388,18 @@ class CompletionServing(Serving[CompletionRequest]):
                     first = await self.first_token(prompts[idx // body.n])
                     lp = join_logprobs(echo_logprobs(first, plps), lp)
             reason = FINISH.get(st.finish_reason)
+            want_ids, want_plps = body.return_token_ids, body.prompt_logprobs is not None
             choice = {
                 "index": idx,
                 "text": prefix + st.text,
                 "logprobs": lp,
                 "finish_reason": reason,
+                "stop_reason": st.stop_reason,
+                # vLLM's extensions, null unless asked for
+                "prompt_logprobs": vllm_prompt_logprobs(plps) if want_plps else None,
+                "prompt_token_ids": prompts[idx // body.n] if want_ids else None,
+                "token_ids": st.token_ids if want_ids else None,
             }
-            if body.return_token_ids:
-                choice.update(prompt_token_ids=prompts[idx // body.n], token_ids=st.token_ids)
-            if body.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(plps)
             choices.append(choice)
         return self.chunk(call, choices, usage_json(usage))
 
@@ -399,16 +413,26 @@ class ChatServing(Serving[ChatCompletionRequest]):
         return [chat_call(body)]
 
     async def head(
-        self, call: Call[ChatCompletionRequest], prompt_ids: list[list[int]] | None
-    ) -> list[bytes]:
-        if prompt_ids is not None:
-            return []
+        self, call: Call[ChatCompletionRequest], prompt_ids: list[list[int]]
+    ) -> list[dict[str, Any]]:
         first = {"role": "assistant", "content": self.echo(call.body)}
-        choices = [
+        call.shown_prompt.update(range(call.body.n))  # the first chunk has them at the top
+        return [
             {"index": i, "delta": first, "logprobs": None, "finish_reason": None}
             for i in range(call.body.n)
         ]
-        return [sse(self.chunk(call, choices))]
+
+    def chunk(
+        self,
+        call: Call[ChatCompletionRequest],
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any] | None = None,
+        first: bool = False,
+    ) -> dict[str, Any]:
+        out = super().chunk(call, choices, usage)
+        if first and call.body.return_token_ids and call.prompt_ids:
+            out["prompt_token_ids"] = call.prompt_ids[0]  # at the top, as vLLM streams it
+        return out
 
     def delta_choice(self, call: Call[ChatCompletionRequest], d: Delta) -> dict[str, Any]:
         c = d.choice
@@ -419,6 +443,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
             "delta": delta,
             "logprobs": lp,
             "finish_reason": FINISH.get(c.finish_reason),
+            "stop_reason": stop_reason(c) if c.finish_reason else None,
         }
 
     def delta_choices(self, call: Call[ChatCompletionRequest], d: Delta) -> list[dict[str, Any]]:
@@ -477,6 +502,8 @@ class ChatServing(Serving[ChatCompletionRequest]):
             if names is not None:
                 content, calls = tool_calls.parse(st.text, names)
                 if calls:
+                    if content is None and tool_calls.forced(body) is not None:
+                        content = ""  # a forced call has no text (vLLM answers "")
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason
             choice = {
@@ -484,14 +511,16 @@ class ChatServing(Serving[ChatCompletionRequest]):
                 "message": message,
                 "logprobs": chat_logprobs(st.logprobs) if body.logprobs else None,
                 "finish_reason": reason,
+                "stop_reason": st.stop_reason,
+                "token_ids": st.token_ids if body.return_token_ids else None,
             }
-            if body.return_token_ids:
-                choice["token_ids"] = st.token_ids
             choices.append(choice)
         out = self.chunk(call, choices, usage_json(usage))
         out["object"] = "chat.completion"
-        if body.return_token_ids:
-            out["prompt_token_ids"] = prompts[0]
-        if body.prompt_logprobs is not None:
-            out["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_logprobs)
+        out["prompt_token_ids"] = prompts[0] if body.return_token_ids else None
+        out["prompt_logprobs"] = (
+            vllm_prompt_logprobs(states[0].prompt_logprobs)
+            if body.prompt_logprobs is not None
+            else None
+        )
         return out

@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 from hetero_proto import control_pb2 as pb
 
 
+def stop_reason(delta: pb.ChoiceDelta) -> str | int | None:
+    """vLLM's stop_reason: the stop string matched, else the stop token, else None."""
+    if delta.stop_reason:
+        return delta.stop_reason
+    if delta.finish_reason == pb.FINISH_REASON_STOP and delta.stop_token_id >= 0:
+        return delta.stop_token_id
+    return None
+
+
 @dataclass
 class ChoiceResult:
     text: str = ""
@@ -20,6 +29,7 @@ class ChoiceResult:
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED  # a pb.FinishReason once finished
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # prompt tokens 1..
+    stop_reason: str | int | None = None  # the stop string or stop/EOS token that ended it
 
     def add(self, delta: pb.ChoiceDelta) -> None:
         self.text += delta.text
@@ -29,6 +39,7 @@ class ChoiceResult:
         self.prompt_logprobs.extend(delta.prompt_logprobs)
         if delta.finish_reason:
             self.finish_reason = delta.finish_reason
+            self.stop_reason = stop_reason(delta)
 
 
 @dataclass

@@ -5,8 +5,10 @@ skip_special_tokens, --chat-template, /tokenize, /detokenize, /version, unknown 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -282,3 +284,80 @@ def test_prompt_logprobs_match_transformers(
     assert streamed_text == c.text
     assert streamed_lps[0] is None and lp.token_logprobs[0] is None
     assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+
+
+def test_vllm_shapes(client: openai.OpenAI, model: str) -> None:
+    """What vLLM's own OpenAI-server tests read: null extension keys, stop_reason, the
+    chat stream's first chunk, per-chunk usage only with include_usage, n role chunks."""
+    r = client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
+    extra = r.choices[0].model_extra or {}
+    assert extra["prompt_logprobs"] is None and extra["token_ids"] is None
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+    )
+    assert (chat.model_extra or {})["prompt_logprobs"] is None
+    assert (chat.model_extra or {})["prompt_token_ids"] is None
+    assert (chat.choices[0].model_extra or {})["token_ids"] is None
+    prompt = "The capital of France is Paris. The capital of France is"
+    r = client.completions.create(
+        model=model, prompt=prompt, max_tokens=20, temperature=0, stop=["city"]
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert (r.choices[0].model_extra or {})["stop_reason"] == "city"
+    msgs: Any = [{"role": "user", "content": "Hi"}]
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            n=2,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            extra_body={"return_token_ids": True},
+        )
+    )
+    assert (chunks[0].model_extra or {}).get("prompt_token_ids")
+    assert not any((c.model_extra or {}).get("prompt_token_ids") for c in chunks[1:])
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role]
+    assert sorted(roles) == [0, 1]  # a role chunk per choice
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks)
+    quiet = list(
+        client.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=3,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": False, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )
+    assert all(c.usage is None for c in quiet)
+
+
+def test_structured_outputs_spelling_and_vocabulary_messages(
+    client: openai.OpenAI, model: str
+) -> None:
+    r = client.completions.create(
+        model=model,
+        prompt="My phone number is",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}},
+    )
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].text)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(
+            model=model,
+            prompt="x",
+            max_tokens=2,
+            extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}},
+        )
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[49152], max_tokens=2)
+    assert "out of vocabulary" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=model, prompt="x", max_tokens=2, extra_body={"stop_token_ids": [49152]}
+        )
+    assert "49152 tokens" in str(e.value)

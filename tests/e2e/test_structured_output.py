@@ -231,6 +231,7 @@ def test_forced_tool_calls_parse_validate_and_stream_the_same(
             jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
             if choice == "named":
                 assert call.function.name == name
+        assert c.message.content == ""  # a forced call has no text (as vLLM answers)
         streamed: dict[int, dict[str, str]] = {}
         reasons = []
         for chunk in client.chat.completions.create(**kw, stream=True):

@@ -112,7 +112,17 @@ def test_completion(client: TestClient, link: FakeLink) -> None:
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["model"] == MODEL
     assert body["choices"] == [
-        {"index": 0, "text": "Hello!", "logprobs": None, "finish_reason": "length"}
+        {
+            "index": 0,
+            "text": "Hello!",
+            "logprobs": None,
+            "finish_reason": "length",
+            # vLLM's extensions, null unless asked for (its clients read them)
+            "stop_reason": None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "token_ids": None,
+        }
     ]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert link.mux.calls[0].text == "Hi" and link.mux.calls[0].params.max_tokens == 3
