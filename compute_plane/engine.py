@@ -349,6 +349,7 @@ class Engine:
         result.num_seqs = len(rows)
         result.forward_ns = out.forward_ns
         result.sample_ns = out.sample_ns
+        result.prepare_ns = out.prepare_ns
 
     def _take_samples(self, rows: list[Row], out: SampleOutput, result: pb.StepResult) -> None:
         """Append each row's sampled token to its request; logprobs where asked."""

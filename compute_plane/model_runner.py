@@ -39,6 +39,7 @@ class StepOutput:
     sample_ns: int
     logits_by_row: list[torch.Tensor] | None = None  # with capture_logits: every token's
     prompt_logprobs: list[pb.PromptLogprobs] | None = None  # rows that asked for them
+    prepare_ns: int = 0  # building the step's inputs
 
 
 class ModelRunner:
@@ -122,6 +123,7 @@ class ModelRunner:
 
     def run(self, rows: list[Row], capture_logits: bool = False) -> StepOutput:
         """Prepare, forward (a CUDA graph where one fits), sample the rows that end."""
+        tp = time.perf_counter_ns()
         x = self.prepare(rows)
         t0 = time.perf_counter_ns()  # forward_ns: from the inputs' copy to the device
         graph = self.graphs.padded_size(x.meta) if self.graphs is not None else None
@@ -138,7 +140,8 @@ class ModelRunner:
         if x.sample_rows:
             sampled = self._sample(x.sample_rows, self.model.logits(hidden[x.sample_index]))
         t2 = time.perf_counter_ns()
-        return StepOutput(sampled, int(x.input_ids.numel()), t1 - t0, t2 - t1, every, prompt_lps)
+        n = int(x.input_ids.numel())
+        return StepOutput(sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp)
 
     def _prompt_logprobs(
         self, rows: list[Row], hidden: torch.Tensor

@@ -76,6 +76,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
     ) -> AsyncIterator[pb.StepResult]:
         engine = await self._engine(context)
         async for step in request_iterator:
+            received = time.time_ns()
             try:
                 result = await self._call(engine.step, step)
             except StepRejected as e:
@@ -90,6 +91,8 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
                 await self._call(engine.reset, True)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {e}")
             result.draining = self.draining
+            result.received_unix_ns = received
+            result.replied_unix_ns = time.time_ns()
             yield result
 
     def num_held(self) -> int:

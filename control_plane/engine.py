@@ -128,6 +128,8 @@ class ControlEngine:
         self._suspects: dict[str, int] = {}
         self._held: list[tuple[Request, Request | None]] = []
         self._watchdog: asyncio.Task[None] | None = None
+        # benchmarks.profile sets a list: one record of wall-clock marks (ns) per step.
+        self.timeline: list[dict[str, int]] | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -329,6 +331,7 @@ class ControlEngine:
         ready: tuple[cpb.StepResult, dict[str, int]] | None = None  # sampled, not yet emitted
         while True:
             out = None
+            t_sched = time.time_ns()
             if not self._lost and sched.has_work:
                 out = sched.schedule(admit=not self._compute_draining)
             if out is None or out.empty:
@@ -344,15 +347,20 @@ class ControlEngine:
                 await self._wake.wait()
                 continue
             self._step_id += 1
+            t_scheduled = time.time_ns()
             step = self._to_step(out)
+            t_encoded = time.time_ns()
             self._in_flight = out
             try:
                 await self.client.send(step)
             finally:
+                t_sent = time.time_ns()
                 if ready is not None:
                     self._emit(*ready)
                     ready = None
+            t_emitted = time.time_ns()
             result = await self.client.receive()
+            t_result = time.time_ns()
             self._in_flight = None
             if self._suspects:
                 self._clear_suspects(out)
@@ -367,6 +375,26 @@ class ControlEngine:
                 self._advance_grammars(sched, sampled)
             ready = result, sampled
             self._observe_pool()
+            if self.timeline is not None:
+                self.timeline.append(
+                    {
+                        "step_id": self._step_id,
+                        "num_seqs": result.num_seqs,
+                        "num_tokens": result.num_tokens,
+                        "schedule_start": t_sched,
+                        "scheduled": t_scheduled,
+                        "encoded": t_encoded,
+                        "sent": t_sent,
+                        "emitted": t_emitted,  # the previous step's outputs, while this runs
+                        "result": t_result,
+                        "updated": time.time_ns(),
+                        "compute_received": result.received_unix_ns,
+                        "compute_replied": result.replied_unix_ns,
+                        "prepare_ns": result.prepare_ns,
+                        "forward_ns": result.forward_ns,
+                        "sample_ns": result.sample_ns,
+                    }
+                )
 
     @property
     def _constrained(self) -> bool:

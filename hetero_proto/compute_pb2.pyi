@@ -204,7 +204,7 @@ class RequestFailure(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining", "failed", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining", "failed", "prompt_logprobs", "received_unix_ns", "prepare_ns", "replied_unix_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,9 @@ class StepResult(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLIED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -229,7 +232,10 @@ class StepResult(_message.Message):
     draining: bool
     failed: _containers.RepeatedCompositeFieldContainer[RequestFailure]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    received_unix_ns: int
+    prepare_ns: int
+    replied_unix_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., received_unix_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., replied_unix_ns: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import decode_step, offline, online, overhead, peers
+from benchmarks import decode_step, offline, online, overhead, peers, profile
 from benchmarks.workload import PRESETS, Preset
 
 pytestmark = pytest.mark.slow
@@ -114,3 +114,21 @@ def test_peers_side_by_side_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert 0 < one["compute_decode_step_ms"] < one["itl_p50_ms"]
         assert many["errors"] == 0 and many["requests"] == 3
         assert 3 * 4 <= many["output_tokens"] <= 3 * 8
+
+
+def test_step_timeline_tiny(tmp_path: Path) -> None:
+    """Over the real gRPC hop: the phases are measured and add up."""
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    report = profile.main(
+        ["--concurrency", "3", "--output-len", "12", "--out", str(out), "--plot", str(png)]
+    )
+    ms = report["ms"]
+    assert ms["decode_steps"] >= 5 and json.loads(out.read_text())["concurrency"] == 3
+    for phase in ("schedule", "encode", "grpc_send", "grpc_return", "update", "forward"):
+        assert ms[phase]["mean"] > 0, phase
+    assert ms["compute_idle"]["mean"] >= 0 and 0 <= ms["compute_idle_fraction"] < 1
+    # The step is the compute plane busy, then idle until the next one.
+    busy_idle = ms["compute_busy"]["mean"] + ms["compute_idle"]["mean"]
+    assert busy_idle == pytest.approx(ms["step"]["mean"], rel=1e-3)
+    parts = ms["prepare"]["mean"] + ms["forward"]["mean"] + ms["sample"]["mean"]
+    assert parts <= ms["compute_busy"]["mean"]
