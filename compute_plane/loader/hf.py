@@ -45,15 +45,72 @@ def load_hf(
                     disable=None if progress else True,
                 )
             )
+            fp8 = _fp8_config(folder)
             for h in handles:
                 for name in h.keys():  # noqa: SIM118 (a safetensors handle is not a dict)
                     # Checkpoints from before transformers 4.31 carry this buffer; we recompute it.
                     if not name.endswith("rotary_emb.inv_freq"):
-                        weights[name] = h.get_tensor(name).to(dtype)
+                        t = h.get_tensor(name)
+                        weights[name] = t if fp8 is not None else t.to(dtype)
                     bar.update()
     except SafetensorError as e:
         raise ModelLoadError(f"{folder}: unreadable safetensors file: {e}") from e
+    if fp8 is not None:
+        weights = dequantize_fp8(weights, fp8, dtype)
     return config, weights
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8_config(folder: Path) -> dict[str, Any] | None:
+    """config.json's quantization_config when it is vLLM's "fp8" format, else None;
+    another quantization method is refused by name."""
+    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    if not qc:
+        return None
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedModelError(
+            f"{folder}: quantization_config quant_method {method!r} is not supported (fp8 is)"
+        )
+    return dict(qc)
+
+
+def dequantize_fp8(
+    weights: dict[str, torch.Tensor], qc: dict[str, Any], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint as vLLM loads it (quant_method "fp8"): e4m3 matrices with a scale
+    per tensor, per output channel, or per block (`weight_block_size`, the scale then
+    named `weight_scale_inv`), dequantized to `dtype`; static activation scales
+    (`input_scale`) are dropped (activations stay in `dtype`)."""
+    block = qc.get("weight_block_size")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+            continue
+        if t.dtype != FP8:
+            out[name] = t.to(dtype)
+            continue
+        stem = name.removesuffix("weight")
+        scale = weights.get(stem + "weight_scale", weights.get(stem + "weight_scale_inv"))
+        if scale is None:
+            raise ModelLoadError(f"{name}: an fp8 weight without weight_scale")
+        w, scale = t.to(torch.float32), scale.to(torch.float32)
+        if scale.numel() == 1:
+            w = w * scale.reshape(())
+        elif block is not None and scale.dim() == 2 and scale.shape[1] > 1:
+            b0, b1 = int(block[0]), int(block[1])
+            full = scale.repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+            w = w * full[: w.shape[0], : w.shape[1]]
+        elif scale.numel() == w.shape[0]:
+            w = w * scale.reshape(-1, 1)  # per output channel
+        else:
+            raise ModelLoadError(
+                f"{name}: weight scale of shape {tuple(scale.shape)} fits no fp8 layout"
+            )
+        out[name] = w.to(dtype)
+    return out
 
 
 def read_config(folder: Path) -> ModelConfig:

@@ -227,3 +227,12 @@ def test_neither_folder_nor_gguf(tmp_path: Path) -> None:
     f.write_bytes(b"x")
     with pytest.raises(ModelLoadError, match=r"weights\.bin.*not a model folder"):
         load_model(f, progress=False)
+
+
+def test_quantization_configs_other_than_fp8_are_refused_by_name(tmp_path: Path) -> None:
+    make_tiny_model("llama", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="'gptq' is not supported"):
+        load_model(tmp_path, progress=False)

@@ -69,6 +69,55 @@ def _dequantized_int8(model):  # type: ignore[no-untyped-def]
 CASES = ["llama", "llama3-rope", "qwen2", "qwen3", "gemma3", "gemma3-torch"]
 CASES += ["smollm2", "smollm2-q4"]
 CASES += ["llama-int8", "qwen2-int8", "qwen3-int8", "gemma3-int8"]
+CASES += ["llama-fp8-tensor", "qwen2-fp8-channel", "qwen3-fp8-block"]
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def _fp8_checkpoint(model, out: Path, layout: str):  # type: ignore[no-untyped-def]
+    """Rewrite `out` as an FP8 checkpoint in vLLM's "fp8" format (e4m3 layer matrices, a
+    scale per tensor, per output channel or per 16x16 block) and return `model` with
+    those weights dequantized: what our engine must compute with."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors = {}
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            if p.dim() != 2 or ".layers." not in name:
+                tensors[name] = p.contiguous()
+                continue
+            w = p.float()
+            if layout == "tensor":
+                scale = w.abs().max() / FP8_MAX
+                full = scale.expand_as(w)
+            elif layout == "channel":
+                scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+                full = scale.expand_as(w)
+            else:  # 16x16 blocks; the last ones may be partial
+                rows, cols = -(-w.shape[0] // 16), -(-w.shape[1] // 16)
+                scale = torch.zeros(rows, cols)
+                for i in range(rows):
+                    for j in range(cols):
+                        tile = w[16 * i : 16 * i + 16, 16 * j : 16 * j + 16]
+                        scale[i, j] = tile.abs().max() / FP8_MAX
+                full = scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+                full = full[: w.shape[0], : w.shape[1]]
+            w8 = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            tensors[name] = w8
+            stem = name.removesuffix("weight")
+            tensors[stem + ("weight_scale_inv" if layout == "block" else "weight_scale")] = scale
+            tensors[stem + "input_scale"] = torch.tensor(1.0)  # static activation scale: unused
+            p.copy_((w8.float() * full).to(p.dtype))
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    if layout == "block":
+        cfg["quantization_config"].update(activation_scheme="dynamic", weight_block_size=[16, 16])
+    (out / "config.json").write_text(json.dumps(cfg))
+    return model
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -81,6 +130,10 @@ def case(request, tmp_path_factory, smollm2_path):  # type: ignore[no-untyped-de
         mode = "auto" if quantized else "none"
         return _engine(smollm2_path, block_size=16, quantization=mode, fused=quantized), ref
     out = tmp_path_factory.mktemp(name)
+    if "-fp8-" in name:
+        arch, layout = name.split("-fp8-")
+        ref = _fp8_checkpoint(make_tiny_model(arch, out), out, layout)
+        return _engine(out), ref
     if name.endswith("-int8"):
         ref = _dequantized_int8(make_tiny_model(name.removesuffix("-int8"), out))
         return _engine(out, quantization="int8", fused=True), ref
