@@ -86,6 +86,18 @@ class ComputeConfig(GrpcServerConfig):
             "multiply-adds; faster) or fp32 (exact: the dequantized weights' result)"
         },
     )
+    draft_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding: a smaller model with the target's vocabulary (HF "
+            "folder, .gguf, or 'default') that drafts tokens when a step asks for them; "
+            "its KV cache takes a share of the KV memory"
+        },
+    )
+    max_speculative_tokens: int = field(
+        default=16,
+        metadata={"help": "speculative decoding: most proposed tokens a request verifies a step"},
+    )
     num_threads: int | None = field(
         default=None,
         metadata={
@@ -116,6 +128,10 @@ class ComputeConfig(GrpcServerConfig):
             raise ValueError(
                 "max_num_batched_tokens and max_num_seqs must be >= 1, got "
                 f"{self.max_num_batched_tokens} and {self.max_num_seqs}"
+            )
+        if not 0 <= self.max_speculative_tokens <= 64:
+            raise ValueError(
+                f"max_speculative_tokens must be in 0..64, got {self.max_speculative_tokens}"
             )
         if not 1 <= self.block_size <= 256:
             raise ValueError(f"block_size must be in 1..256, got {self.block_size}")

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import logging
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from compute_plane.config import ComputeConfig
 from compute_plane.cuda_graphs import DecodeGraphs
 from compute_plane.device import resolve_device, resolve_dtype, resolve_quantization
 from compute_plane.gpu_memory import num_blocks_from_free_memory
-from compute_plane.kv_cache import KVCache, num_blocks_for_budget
+from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.loader import LoadedModel, load_model
 from compute_plane.model import Model, ModelKernels
 from compute_plane.model_runner import ModelRunner, StepOutput
@@ -34,8 +35,9 @@ from compute_plane.requests import (
     StepValidator,
 )
 from compute_plane.sampler import SampleOutput
+from compute_plane.speculative import Drafter, accepted_length
 from hetero_common.logs import split_choice_id
-from hetero_common.model_path import model_display_name
+from hetero_common.model_path import model_display_name, resolve_model_path
 from hetero_common.tracing import RequestSpan, start_span
 from hetero_proto import compute_pb2 as pb
 
@@ -97,7 +99,8 @@ class Engine:
         self.block_size = config.block_size
         backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         kernels = model_kernels(backend, cfg, self.device)
-        self.model, num_blocks = self._model_and_pool(loaded, kernels)
+        draft = self._load_draft(backend) if config.draft_model else None
+        self.model, num_blocks = self._model_and_pool(loaded, kernels, draft)
         self.max_model_len = min(self.model_max_len, (num_blocks - 1) * self.block_size)
         self.kv_cache = KVCache(cfg, num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
@@ -116,6 +119,12 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.kv_cache, self.graphs, tokens, seqs, self.max_model_len, self.device
         )
+        self.drafter = None
+        if draft is not None:
+            model, name = draft
+            kv = KVCache(model.cfg, num_blocks, self.block_size, self.dtype, self.device)
+            runner = ModelRunner(model, kv, None, tokens, seqs, self.max_model_len, self.device)
+            self.drafter = Drafter(model, kv, runner, name)
         cuda = self.device.type == "cuda"
         self.validator = StepValidator(
             StepLimits(
@@ -124,6 +133,8 @@ class Engine:
                 cfg.vocab_size,
                 self.max_model_len,
                 tokens if cuda else None,
+                config.max_speculative_tokens,
+                self.drafter is not None,
             )
         )
         self.requests: dict[str, RequestState] = {}
@@ -136,12 +147,50 @@ class Engine:
         self.capture_logits = False
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
 
+    def _load_draft(self, backend: str) -> tuple[Model, str]:
+        """The draft model for speculative decoding (its weights on the device before the
+        KV pool is sized, so the pool leaves room for them)."""
+        cfg, config = self.model_config, self.config
+        path = resolve_model_path(config.draft_model or "")
+        loaded = load_for(config, path)
+        dcfg = loaded.config
+        if dcfg.vocab_size != cfg.vocab_size:
+            raise ValueError(
+                f"draft model {path.name}: vocabulary of {dcfg.vocab_size} tokens, the target's "
+                f"has {cfg.vocab_size}; a draft must share the target's tokenizer"
+            )
+        if cfg.max_window:
+            raise ValueError(
+                "a draft model needs the target's whole context; this target attends only to "
+                f"a sliding window of {cfg.max_window} (its old blocks are freed)"
+            )
+        max_len = min(cfg.max_position_embeddings, config.max_model_len or 1 << 30)
+        weights = quant.prepare(loaded.weights, self.quantization)
+        kernels = model_kernels(backend, dcfg, self.device)
+        model = Model(
+            dcfg, weights, self.device, self.dtype, max_len + 1, kernels,
+            activations=config.cpu_activations,
+        )  # fmt: skip
+        log.info(
+            "draft model %s: %d layers, %.1f MB of weights",
+            *(path.name, dcfg.num_layers, model.weight_bytes / 1e6),
+        )
+        return model, model_display_name(path)
+
     def _model_and_pool(
-        self, loaded: LoadedModel, kernels: ModelKernels | None
+        self,
+        loaded: LoadedModel,
+        kernels: ModelKernels | None,
+        draft: tuple[Model, str] | None = None,
     ) -> tuple[Model, int]:
         """The model on its device, and how many KV blocks fit: on CUDA what free memory
-        leaves once a step has run; on the CPU the configured byte budget."""
+        leaves once a step has run; on the CPU the configured byte budget. With a draft
+        model, its KV cache has as many blocks: the pool's memory is split between them."""
         cfg, config = loaded.config, self.config
+        share = 1.0
+        if draft is not None:
+            mine = bytes_per_block(cfg, self.block_size, self.dtype)
+            share = mine / (mine + bytes_per_block(draft[0].cfg, self.block_size, self.dtype))
         weights = quant.prepare(loaded.weights, self.quantization)
         max_len = min(
             cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings
@@ -150,9 +199,10 @@ class Engine:
             free_before, _ = torch.cuda.mem_get_info(self.device)
             model = self._model(weights, max_len, kernels)
             num_blocks = num_blocks_from_free_memory(model, config, max_len, free_before)
+            num_blocks = max(2, int(num_blocks * share))
         else:
             num_blocks = num_blocks_for_budget(
-                cfg, self.block_size, self.dtype, config.kv_cache_bytes
+                cfg, self.block_size, self.dtype, int(config.kv_cache_bytes * share)
             )
             max_len = min(max_len, (num_blocks - 1) * self.block_size)
             model = self._model(weights, max_len, kernels)
@@ -214,6 +264,8 @@ class Engine:
             kv_cache_bytes=self.kv_cache.nbytes,
             bos_token_id=-1 if cfg.bos_token_id is None else cfg.bos_token_id,
             attention_backend=self.model.attention.name,
+            draft_model=self.drafter.name if self.drafter is not None else "",
+            max_speculative_tokens=self.config.max_speculative_tokens,
         )
 
     def reset(self, failed: bool = False) -> None:
@@ -221,6 +273,8 @@ class Engine:
         for state in self.requests.values():
             state.span.end(error="reset")
         self.requests.clear()
+        if self.drafter is not None:
+            self.drafter.reset()
         c = self.counters
         self.counters = pb.StatsResponse(
             num_failed_requests=c.num_failed_requests, num_resets=c.num_resets + failed
@@ -260,12 +314,16 @@ class Engine:
             if (gone := self.requests.pop(rid, None)) is not None:
                 _log_request("request released", rid)
                 _end_span(gone)
+            if self.drafter is not None:
+                self.drafter.forget(rid)
         for rid, state, _ in rows:
             self.requests[rid] = state  # new requests; continuing ones are already there
         for n in req.new_requests:
             if n.request_id not in self.requests:
                 continue  # failed validation
             _log_request(f"request added: {len(n.token_ids)} tokens", n.request_id)
+            if self.drafter is not None:
+                self.drafter.forget(n.request_id)  # (re-sent: its draft KV is recomputed)
             if n.traceparent:
                 self.requests[n.request_id].span = _start_span(n)
         for c in req.continuing:
@@ -275,15 +333,34 @@ class Engine:
             self._fail(f, result)
         if rows:
             masks = {m.request_id: m for m in req.masks}
-            self._run(
-                [Row(rid, st, st.num_computed_tokens, n, masks.get(rid)) for rid, st, n in rows],
-                result,
-            )
+            todo = [Row(rid, st, st.num_computed_tokens, n, masks.get(rid)) for rid, st, n in rows]
+            if req.proposals:
+                self._propose(todo, req.proposals)
+            self._run(todo, result)
         self.counters.num_steps += 1
         self.counters.num_requests_added += len(req.new_requests)
         return result
 
     # ------------------------------------------------------------- compute
+    def _propose(self, rows: list[Row], proposals: Iterable[pb.Proposal]) -> None:
+        """Give each row with a proposal its draft tokens (the control plane's, or the draft
+        model's), appended to its tokens while the step runs (`_take_samples` settles them)."""
+        by_id = {r.request_id: r for r in rows}
+        drafting: list[tuple[Row, int]] = []
+        for p in proposals:
+            if (r := by_id.get(p.request_id)) is None:
+                continue  # failed validation alone
+            if p.token_ids:
+                r.draft = list(p.token_ids)
+            else:
+                drafting.append((r, p.num_draft_tokens))
+        if drafting and self.drafter is not None:
+            self.drafter.propose(drafting)
+        for r in rows:
+            if r.draft:
+                r.state.token_ids.extend(r.draft)
+                r.count += len(r.draft)
+
     def _fail(self, f: Failure, result: pb.StepResult) -> None:
         """Fail one request alone: forget it and report it in the step's result."""
         if (state := self.requests.pop(f.request_id, None)) is not None:
@@ -338,7 +415,10 @@ class Engine:
             prompt_part = max(0, min(np_, r.start + r.count) - r.start)
             c.num_prompt_tokens_computed += prompt_part
             c.num_output_tokens_computed += r.count - prompt_part
-            r.state.num_computed_tokens += r.count
+            if r.draft is None:
+                r.state.num_computed_tokens += r.count
+            else:  # the last known token and the accepted drafts; the new one is not
+                r.state.num_computed_tokens = len(r.state.token_ids) - 1
         decodes = sum(1 for r in rows if r.count == 1)
         kind = "decode" if decodes == len(rows) else "prefill" if decodes == 0 else "mixed"
         m = self.metric_labels
@@ -352,23 +432,52 @@ class Engine:
         result.prepare_ns = out.prepare_ns
 
     def _take_samples(self, rows: list[Row], out: SampleOutput, result: pb.StepResult) -> None:
-        """Append each row's sampled token to its request; logprobs where asked."""
+        """Append each row's sampled token to its request; logprobs where asked. A row with
+        a proposal keeps the proposed tokens its samples reproduce and the first sample
+        that differs (or the one after the last proposal)."""
         sampled_ids: list[str] = []
-        for i, r in enumerate(rows):
-            tok = out.token_ids[i]
-            r.state.token_ids.append(tok)
+        sampled_tokens: list[int] = []
+        c = self.counters
+        i = 0  # the row's first entry in `out` (a row with k proposals has k + 1)
+        for r in rows:
+            st = r.state
+            if r.draft:
+                k = len(r.draft)
+                base = len(st.token_ids) - k
+                samples = out.token_ids[i : i + k + 1]
+                a = accepted_length(samples, r.draft)
+                del st.token_ids[base:]
+                st.token_ids.extend(samples[: a + 1])
+                result.accepted.add(request_id=r.request_id, token_ids=samples[:a], num_proposed=k)
+                c.num_proposed_tokens += k
+                c.num_accepted_tokens += a
+                if self.drafter is not None:
+                    self.drafter.verified(r.request_id, base, a)
+                entries = range(i, i + a + 1)
+                i += k + 1
+            else:
+                st.token_ids.append(out.token_ids[i])
+                entries = range(i, i + 1)
+                i += 1
             sampled_ids.append(r.request_id)
-            spec = r.state.sampling
-            if not (spec.logprobs or spec.top_logprobs):
-                continue
-            tr = result.results.add(request_id=r.request_id, token_id=tok)
-            if spec.logprobs and out.logprobs is not None:
-                tr.logprob = out.logprobs[i]
-            if spec.top_logprobs and out.top_ids is not None and out.top_logprobs is not None:
-                for tid, lp in zip(
-                    out.top_ids[i][: spec.top_logprobs], out.top_logprobs[i], strict=False
-                ):
-                    tr.top_logprobs.add(token_id=tid, logprob=lp)
+            sampled_tokens.append(st.token_ids[-1])
+            c.num_sampled_tokens += len(entries)
+            spec = st.sampling
+            if spec.logprobs or spec.top_logprobs:
+                for j in entries:
+                    self._add_logprobs(
+                        result, r.request_id, out, j, spec.logprobs, spec.top_logprobs
+                    )
         result.sampled_ids.extend(sampled_ids)
-        result.sampled_token_ids.extend(out.token_ids)
-        self.counters.num_sampled_tokens += len(rows)
+        result.sampled_token_ids.extend(sampled_tokens)
+
+    @staticmethod
+    def _add_logprobs(
+        result: pb.StepResult, rid: str, out: SampleOutput, i: int, logprob: bool, top: int
+    ) -> None:
+        tr = result.results.add(request_id=rid, token_id=out.token_ids[i])
+        if logprob and out.logprobs is not None:
+            tr.logprob = out.logprobs[i]
+        if top and out.top_ids is not None and out.top_logprobs is not None:
+            for tid, lp in zip(out.top_ids[i][:top], out.top_logprobs[i], strict=False):
+                tr.top_logprobs.add(token_id=tid, logprob=lp)

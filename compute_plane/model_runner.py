@@ -17,7 +17,7 @@ from compute_plane.attention import AttentionMetadata
 from compute_plane.cuda_graphs import DecodeGraphs
 from compute_plane.kv_cache import KVCache
 from compute_plane.model import Model
-from compute_plane.requests import Row
+from compute_plane.requests import RequestState, Row
 from compute_plane.sampler import SampleOutput, sample
 from hetero_proto import compute_pb2 as pb
 
@@ -28,7 +28,9 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: list[Row]  # rows whose last token is sampled, in order
-    sample_index: torch.Tensor  # their last token's row in the hidden states
+    # Their last token's row in the hidden states (a row with a proposal of k tokens:
+    # its last k + 1 tokens' rows, each sampled as the row would be at that position).
+    sample_index: torch.Tensor
 
 
 @dataclass
@@ -89,8 +91,9 @@ class ModelRunner:
             positions.extend(pos)
             table = st.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if r.samples:
-                sample_idx.append(len(ids) - 1)
+            if r.samples:  # a proposal's row samples after each of its last k + 1 tokens
+                k = len(r.draft) if r.draft else 0
+                sample_idx.extend(range(len(ids) - 1 - k, len(ids)))
         n, width = len(ids), max(len(r.state.block_ids) for r in rows)
         held, seqs, cols = self.capacity
         if n > held:
@@ -177,26 +180,43 @@ class ModelRunner:
 
     @staticmethod
     def _sample(rows: list[Row], logits: torch.Tensor) -> SampleOutput:
-        """Sample each row's next token, with its penalties and min_tokens ban."""
-        states = [r.state for r in rows]
-        penalised = [s.sampling.penalised for s in states]
+        """Sample each row's next token, with its penalties and min_tokens ban. A row with
+        a proposal of k tokens samples k + 1 times, the j-th as if its known tokens ended
+        with the first j proposed ones (penalties, min_tokens and seeds see that length)."""
+        states: list[RequestState] = []
+        lengths: list[int] = []  # tokens known at each sampled position
+        row_masks: list[pb.TokenMask | None] = []
+        for r in rows:
+            n = len(r.state.token_ids)
+            if r.draft:  # (a row with a proposal has no mask)
+                base = n - len(r.draft)
+                states += [r.state] * (len(r.draft) + 1)
+                lengths += range(base, n + 1)
+                row_masks += [None] * (len(r.draft) + 1)
+            else:
+                states.append(r.state)
+                lengths.append(n)
+                row_masks.append(r.mask)
+        specs = [s.sampling for s in states]
+        penalised = [s.penalised for s in specs]
+        masks = row_masks if any(m is not None for m in row_masks) else None
         return sample(
             logits,
-            [s.sampling for s in states],
+            specs,
             [
                 s.token_ids[: s.num_prompt_tokens] if p else []
                 for s, p in zip(states, penalised, strict=True)
             ],
             [
-                s.token_ids[s.num_prompt_tokens :] if p else []
-                for s, p in zip(states, penalised, strict=True)
+                s.token_ids[s.num_prompt_tokens : n] if p else []
+                for s, p, n in zip(states, penalised, lengths, strict=True)
             ],
-            [len(s.token_ids) for s in states],
+            lengths,
             [
                 s.sampling.banned_until_min
-                if len(s.token_ids) - s.num_prompt_tokens < s.sampling.min_tokens
+                if n - s.num_prompt_tokens < s.sampling.min_tokens
                 else ()
-                for s in states
+                for s, n in zip(states, lengths, strict=True)
             ],
-            [r.mask for r in rows] if any(r.mask is not None for r in rows) else None,
+            masks,
         )

@@ -41,6 +41,9 @@ class Row:
     start: int  # first position computed this step
     count: int  # tokens computed this step
     mask: pb.TokenMask | None = None  # the tokens it may sample (structured output)
+    # Speculative decoding: the proposed tokens this step verifies after its last known
+    # token (appended to state.token_ids while the step runs; `count` includes them).
+    draft: list[int] | None = None
 
     @property
     def samples(self) -> bool:
@@ -66,6 +69,8 @@ class StepLimits:
     vocab_size: int
     max_model_len: int
     max_step_tokens: int | None  # CUDA: the activation peak the KV pool was sized for
+    max_speculative_tokens: int = 0  # most proposed tokens one request may verify in a step
+    has_draft: bool = False  # a draft model is loaded (Proposal.num_draft_tokens allowed)
 
 
 class StepValidator:
@@ -95,6 +100,7 @@ class StepValidator:
 
         rows: list[Planned] = []
         failures: list[Failure] = []
+        num_blocks: dict[str, int] = {}  # the page table's length once this step's ids land
         for n in req.new_requests:
             once(n.request_id)
             if n.request_id in active and n.request_id not in finished:
@@ -103,21 +109,26 @@ class StepValidator:
                 )
             try:
                 rows.append(self._new(n))
+                num_blocks[n.request_id] = len(n.block_ids)
             except StepRejected as e:
                 failures.append(Failure(n.request_id, e.code, str(e)))
         for c in req.continuing:
             state = held(c.request_id)
             self._check_blocks(c.request_id, list(c.new_block_ids))
-            num_blocks = len(state.block_ids) + len(c.new_block_ids)
-            self._check_count(c.request_id, state, num_blocks, c.num_scheduled_tokens)
+            nb = num_blocks[c.request_id] = len(state.block_ids) + len(c.new_block_ids)
+            self._check_count(c.request_id, state, nb, c.num_scheduled_tokens)
             rows.append((c.request_id, state, c.num_scheduled_tokens))
         for rid in req.decode_ids:
             state = held(rid)
             self._check_count(rid, state, len(state.block_ids), 1)
+            num_blocks[rid] = len(state.block_ids)
             rows.append((rid, state, 1))
         if req.masks:
             rows = self._check_masks(req, rows, failures)
-        total, most = sum(n for _, _, n in rows), self.limits.max_step_tokens
+        proposed = 0
+        if req.proposals:
+            rows, proposed = self._check_proposals(req, rows, failures, num_blocks)
+        total, most = sum(n for _, _, n in rows) + proposed, self.limits.max_step_tokens
         if most is not None and total > most:
             raise StepRejected(
                 f"step of {total} tokens exceeds max_num_batched_tokens "
@@ -144,6 +155,68 @@ class StepValidator:
                 bad.add(rid)
                 failures.append(Failure(rid, "INVALID_ARGUMENT", f"request {rid!r}: {problem}"))
         return [r for r in rows if r[0] not in bad] if bad else rows
+
+    def _check_proposals(
+        self,
+        req: pb.StepRequest,
+        rows: list[Planned],
+        failures: list[Failure],
+        num_blocks: dict[str, int],
+    ) -> tuple[list[Planned], int]:
+        """A proposal names a decoding request of this step, once (else the step is
+        rejected); one whose content is bad fails its request alone. Returns the rows left
+        and the number of proposed tokens the step verifies."""
+        lim = self.limits
+        planned = {rid: (st, n) for rid, st, n in rows}
+        failed = {f.request_id for f in failures}
+        masked = {m.request_id for m in req.masks}
+        bad: set[str] = set()
+        seen: set[str] = set()
+        total = 0
+        for p in req.proposals:
+            rid = p.request_id
+            if rid in seen or (rid not in planned and rid not in failed):
+                what = "twice" if rid in seen else "for a request not in this step"
+                raise StepRejected(f"proposal {what}: {rid!r}")
+            seen.add(rid)
+            if rid in failed:
+                continue
+            state, n = planned[rid]
+            k = len(p.token_ids) or p.num_draft_tokens
+            end = state.num_computed_tokens + 1 + k
+            problem = None
+            if p.token_ids and p.num_draft_tokens:
+                problem = "a proposal has token_ids or num_draft_tokens, not both"
+            elif k < 1:
+                problem = "a proposal proposes no token"
+            elif k > lim.max_speculative_tokens:
+                problem = (
+                    f"{k} proposed tokens exceed this compute plane's "
+                    f"max_speculative_tokens {lim.max_speculative_tokens}"
+                )
+            elif p.num_draft_tokens and not lim.has_draft:
+                problem = "num_draft_tokens but this compute plane holds no draft model"
+            elif n != 1 or state.num_computed_tokens + 1 != len(state.token_ids):
+                problem = "a proposal needs a decoding request (its last known token only)"
+            elif rid in masked:
+                problem = "a proposal and a token mask in one step"
+            elif p.token_ids and (min(p.token_ids) < 0 or max(p.token_ids) >= lim.vocab_size):
+                problem = f"proposed token id out of range 0..{lim.vocab_size - 1}"
+            elif end > lim.max_model_len:
+                problem = (
+                    f"{end} positions with the proposals exceed max_model_len {lim.max_model_len}"
+                )
+            elif end > num_blocks[rid] * lim.block_size:
+                problem = (
+                    f"{end} positions with the proposals do not fit in "
+                    f"{num_blocks[rid]} blocks of {lim.block_size}"
+                )
+            if problem is not None:
+                bad.add(rid)
+                failures.append(Failure(rid, "INVALID_ARGUMENT", f"request {rid!r}: {problem}"))
+            else:
+                total += k
+        return ([r for r in rows if r[0] not in bad] if bad else rows), total
 
     def _new(self, n: pb.NewRequest) -> Planned:
         rid, lim = n.request_id, self.limits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from control_plane.speculative import SpeculativeConfig
 from hetero_common.server_config import GrpcServerConfig
 from hetero_common.tls import ClientTLS
 
@@ -55,6 +56,36 @@ class ControlConfig(GrpcServerConfig):
             "N > 1 cuts the per-token cost of streaming at high concurrency"
         },
     )
+    speculative: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding: ngram (prompt lookup, here) or draft (the compute "
+            "plane's --draft-model proposes); off by default"
+        },
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "speculative decoding: most tokens proposed per step (k)"}
+    )
+    ngram_min: int = field(
+        default=1, metadata={"help": "ngram speculation: shortest suffix looked up"}
+    )
+    ngram_max: int = field(
+        default=4, metadata={"help": "ngram speculation: longest suffix looked up"}
+    )
+    speculative_max_batch: int = field(
+        default=8,
+        metadata={
+            "help": "speculate only in steps where at most this many requests decode "
+            "(beyond it verifying proposals costs the batch more than it saves)"
+        },
+    )
+    speculative_adaptive: bool = field(
+        default=True,
+        metadata={
+            "help": "each request's k follows its acceptance, and proposals that keep "
+            "failing pause (off: always k)"
+        },
+    )
     compute_tls_ca: str | None = field(
         default=None,
         metadata={"help": "PEM CA bundle: dial the compute plane over TLS, verified by it"},
@@ -67,6 +98,19 @@ class ControlConfig(GrpcServerConfig):
     )
 
     @property
+    def speculation(self) -> SpeculativeConfig | None:
+        if self.speculative is None:
+            return None
+        return SpeculativeConfig(
+            self.speculative,
+            self.num_speculative_tokens,
+            self.ngram_min,
+            self.ngram_max,
+            self.speculative_max_batch,
+            self.speculative_adaptive,
+        )
+
+    @property
     def compute_tls(self) -> ClientTLS:
         return ClientTLS(
             self.compute_tls_ca, self.compute_tls_cert, self.compute_tls_key, "compute-tls"
@@ -75,6 +119,7 @@ class ControlConfig(GrpcServerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.compute_tls  # noqa: B018 -- validates the TLS flags
+        self.speculation  # noqa: B018 -- validates the speculative decoding flags
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

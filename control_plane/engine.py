@@ -8,6 +8,7 @@ update the scheduler.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -28,6 +29,7 @@ from control_plane.output_processor import OutputProcessor
 from control_plane.outputs import Choice, GenerateStream, Outbox
 from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
+from control_plane.speculative import Speculator
 from control_plane.tokenizer import TokenizerWrapper
 from hetero_common.logs import valid_request_id
 from hetero_common.tracing import start_span
@@ -69,6 +71,11 @@ class _LoopMetrics:
         self.running = metrics.requests_running.labels(**labels)
         self.waiting = metrics.requests_waiting.labels(**labels)
         self.kv_usage = metrics.kv_cache_usage.labels(**labels)
+        self.spec_drafts = metrics.spec_drafts.labels(**labels)
+        self.spec_draft_tokens = metrics.spec_draft_tokens.labels(**labels)
+        self.spec_accepted = metrics.spec_accepted_tokens.labels(**labels)
+        self.spec_emitted = metrics.spec_emitted_tokens.labels(**labels)
+        self.labels = labels
 
 
 def _queue(sched: Scheduler, stream: GenerateStream) -> None:
@@ -156,6 +163,7 @@ class ControlEngine:
             max_waiting=self.config.max_waiting,
             enable_prefix_caching=self.config.enable_prefix_caching,
             sliding_window=d.sliding_window or None,
+            speculator=self._speculator(d),
         )
         self.description = d
         self.grammars.bind(d.vocab_size, self._bounds(self.scheduler).eos_token_ids)
@@ -172,6 +180,37 @@ class ControlEngine:
             d.block_size,
             max_len,
         )
+
+    def _speculator(self, d: cpb.DescribeResponse) -> Speculator | None:
+        """Speculative decoding as configured, where the compute plane can verify it."""
+        spec = self.config.speculation
+        if spec is None:
+            return None
+        if d.max_speculative_tokens < 1:
+            log.error("speculative decoding is off: the compute plane verifies no proposals")
+            return None
+        if spec.method == "draft" and not d.draft_model:
+            log.error(
+                "speculative decoding is off: --speculative draft, but the compute plane at "
+                "%s holds no draft model (start it with --draft-model)",
+                self.config.compute,
+            )
+            return None
+        if spec.num_tokens > d.max_speculative_tokens:
+            log.warning(
+                "num_speculative_tokens %d capped at the compute plane's max_speculative_tokens %d",
+                spec.num_tokens,
+                d.max_speculative_tokens,
+            )
+            spec = dataclasses.replace(spec, num_tokens=d.max_speculative_tokens)
+        log.info(
+            "speculative decoding: %s, k <= %d, while <= %d requests decode%s",
+            spec.method,
+            spec.num_tokens,
+            spec.max_batch,
+            f" (draft model {d.draft_model})" if spec.method == "draft" else "",
+        )
+        return Speculator(spec)
 
     def _bounds(self, sched: Scheduler) -> ModelBounds:
         d = self.description
@@ -328,7 +367,8 @@ class ControlEngine:
         step's token for it is dropped, never sent or counted."""
         sched = self.scheduler
         assert sched is not None
-        ready: tuple[cpb.StepResult, dict[str, int]] | None = None  # sampled, not yet emitted
+        # Sampled (and accepted proposals), not yet emitted.
+        ready: tuple[cpb.StepResult, dict[str, int], dict[str, list[int]] | None] | None = None
         while True:
             out = None
             t_sched = time.time_ns()
@@ -370,10 +410,11 @@ class ControlEngine:
                 log.info("the compute plane is draining: new requests wait for the next one")
                 self._compute_draining = True
             sampled = sampled_tokens(result)
-            sched.update(out, sampled)
+            accepted = self._accepted(sched, result) if result.accepted else None
+            sched.update(out, sampled, accepted)
             if self._constrained:
                 self._advance_grammars(sched, sampled)
-            ready = result, sampled
+            ready = result, sampled, accepted
             self._observe_pool()
             if self.timeline is not None:
                 self.timeline.append(
@@ -395,6 +436,30 @@ class ControlEngine:
                         "sample_ns": result.sample_ns,
                     }
                 )
+
+    def _accepted(self, sched: Scheduler, result: cpb.StepResult) -> dict[str, list[int]]:
+        """Each verifying request's accepted proposals; the speculator and metrics see them."""
+        accepted: dict[str, list[int]] = {}
+        spec = sched.speculator
+        lm = self._loop_metrics
+        drafts = proposed = taken = 0
+        per_pos: dict[int, int] = {}
+        for a in result.accepted:
+            acc = accepted[a.request_id] = list(a.token_ids)
+            drafts += 1
+            proposed += a.num_proposed
+            taken += len(acc)
+            for i in range(len(acc)):
+                per_pos[i] = per_pos.get(i, 0) + 1
+            if spec is not None:
+                spec.observe(a.request_id, a.num_proposed, len(acc))
+        lm.spec_drafts.inc(drafts)
+        lm.spec_draft_tokens.inc(proposed)
+        lm.spec_accepted.inc(taken)
+        lm.spec_emitted.inc(taken + drafts)
+        for pos, count in per_pos.items():
+            metrics.spec_accepted_per_pos.labels(position=str(pos), **lm.labels).inc(count)
+        return accepted
 
     @property
     def _constrained(self) -> bool:
@@ -514,6 +579,11 @@ class ControlEngine:
                     num_scheduled_tokens=c.num_scheduled_tokens,
                 )
         step.decode_ids.extend(decode_ids)
+        for req, proposal in out.proposals.items():
+            if isinstance(proposal, int):
+                step.proposals.add(request_id=req.request_id, num_draft_tokens=proposal)
+            else:
+                step.proposals.add(request_id=req.request_id, token_ids=proposal)
         for req, n in out.scheduled():
             g = req.grammar
             if (
@@ -526,9 +596,14 @@ class ControlEngine:
                 mask.request_id = req.request_id
         return step
 
-    def _emit(self, result: cpb.StepResult, sampled: dict[str, int]) -> None:
+    def _emit(
+        self,
+        result: cpb.StepResult,
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None,
+    ) -> None:
         """Step k's tokens to their streams (while step k+1 runs)."""
-        self.outputs.process(result, sampled, self._loop_metrics)
+        self.outputs.process(result, sampled, self._loop_metrics, accepted)
 
     def _finish_request(self, request_id: str, status: Status) -> None:
         if self.scheduler is not None:

@@ -66,6 +66,25 @@ grammar_compile_seconds = Histogram(
     "Time to compile a grammar not in the cache",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+# Speculative decoding (vLLM's vllm:spec_decode_* names under our prefix). Mean acceptance
+# length = (accepted + drafts) / drafts: tokens a verifying request emits per step.
+spec_drafts = Counter(
+    "hetero_spec_decode_num_drafts", "Verifications of proposals (one per request per step)", L
+)
+spec_draft_tokens = Counter("hetero_spec_decode_num_draft_tokens", "Proposed tokens verified", L)
+spec_accepted_tokens = Counter(
+    "hetero_spec_decode_num_accepted_tokens", "Proposed tokens accepted", L
+)
+spec_emitted_tokens = Counter(
+    "hetero_spec_decode_num_emitted_tokens",
+    "Tokens verifications emitted (accepted proposals + the token sampled after them)",
+    L,
+)
+spec_accepted_per_pos = Counter(
+    "hetero_spec_decode_num_accepted_tokens_per_pos",
+    "Accepted proposals by their position in the proposal (0 = first)",
+    (*L, "position"),
+)
 compute_attached = Gauge("hetero_compute_attached", "1 while a compute plane is attached", L)
 
 

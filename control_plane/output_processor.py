@@ -62,9 +62,16 @@ class OutputProcessor:
             self.choices.pop(c.request.request_id, None)
         return True
 
-    def process(self, result: cpb.StepResult, sampled: dict[str, int], m: StepMetrics) -> None:
+    def process(
+        self,
+        result: cpb.StepResult,
+        sampled: dict[str, int],
+        m: StepMetrics,
+        accepted: dict[str, list[int]] | None = None,
+    ) -> None:
         """Hand each stream its new tokens: every `stream_interval` tokens, and the first and
-        last at once. Detokenising, stop strings and the response happen only then."""
+        last at once. Detokenising, stop strings and the response happen only then.
+        `accepted`: speculative decoding's accepted proposals, before each sampled token."""
         touched: Touched = {}
         interval = self.stream_interval
         running, waiting = Status.RUNNING, Status.WAITING
@@ -72,6 +79,11 @@ class OutputProcessor:
         missing = 0
         gaps: list[float] = []  # inter-token latencies seen by this step's tokens
         logprobs = {r.request_id: r for r in result.results} if result.results else None
+        several: dict[str, list[cpb.TokenResult]] = {}  # a verifying request's, in order
+        if accepted and result.results:
+            for r in result.results:
+                several.setdefault(r.request_id, []).append(r)
+        extra_tokens = 0
         choices = self.choices
         for p in result.prompt_logprobs:
             if (entry := choices.get(p.request_id)) is not None:
@@ -89,8 +101,14 @@ class OutputProcessor:
                 m.ttft.observe(now - stream.arrival_time)
             choice.last_token_time = now
             pending = choice.pending
+            extra = accepted.get(rid) if accepted else None
+            if extra:
+                pending.extend(extra)
+                extra_tokens += len(extra)
             pending.append(token)
-            if logprobs is not None and rid in logprobs:
+            if rid in several:
+                choice.pending_logprobs.extend(several[rid][: len(extra or ()) + 1])
+            elif logprobs is not None and rid in logprobs:
                 choice.pending_logprobs.append(logprobs[rid])
             req = choice.request
             # A request that got a token goes on unless this token finished it. It may be
@@ -111,7 +129,7 @@ class OutputProcessor:
                 pending.clear()
                 continue
             self._respond(stream, choice, live, touched)
-        m.generation_tokens.inc(len(sampled) - missing)
+        m.generation_tokens.inc(len(sampled) - missing + extra_tokens)
         for value, count in Counter(gaps).items():
             metrics.observe_many(m.itl, value, count)
         self._send(touched)

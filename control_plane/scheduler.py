@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from control_plane.block_manager import BlockManager, KVCacheStats
 from control_plane.request import Request, Status
+from control_plane.speculative import Speculator
 
 
 class AdmissionError(ValueError):
@@ -64,6 +65,9 @@ class SchedulerOutput:
     decodes: list[Request] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # the compute plane drops these first
     num_tokens: int = 0
+    # Speculative decoding: decoding requests that verify proposals this step (continuing,
+    # one token scheduled): the proposed tokens (ngram) or how many the draft model makes.
+    proposals: dict[Request, list[int] | int] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
@@ -74,6 +78,10 @@ class SchedulerOutput:
         pairs = [(r, 1) for r in self.decodes]
         pairs += [(s.request, s.num_scheduled_tokens) for s in self.new]
         return pairs + [(s.request, s.num_scheduled_tokens) for s in self.continuing]
+
+
+def _num_proposed(proposal: list[int] | int) -> int:
+    return proposal if isinstance(proposal, int) else len(proposal)
 
 
 class Scheduler:
@@ -88,6 +96,7 @@ class Scheduler:
         max_waiting: int = 1024,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         # sliding_window: every layer of the model sees only that many latest positions.
         self.block_manager = BlockManager(
@@ -105,6 +114,7 @@ class Scheduler:
         # then fork its prompt blocks instead of computing the prompt again.
         self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.speculator = speculator
 
     # ------------------------------------------------------------------ intake
     def check_admission(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -140,6 +150,8 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         siblings = self.pending_forks.pop(request_id, [])
         self.waiting.extendleft(reversed(siblings))  # they compute their own prompt now
         if req.status == Status.RUNNING:
@@ -204,12 +216,23 @@ class Scheduler:
         has_free_slot = self.block_manager.has_free_slot
         in_blocks = out.decodes
         running = Status.RUNNING
+        spec = self.speculator
+        if spec is not None and not spec.active(len(decodes)):
+            spec = None
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.status is not running:
                 continue  # preempted earlier in this loop
             n = len(req.token_ids) - req.num_computed_tokens
+            if n == 1 and spec is not None and req.sent_to_compute and req.grammar is None:
+                proposal = self._speculate(spec, req, budget - 1)
+                k = _num_proposed(proposal)
+                if k and (new_ids := allocate(req, 1 + k)) is not None:
+                    planned[req] = (new_ids, 1)
+                    out.proposals[req] = proposal
+                    budget -= 1 + k
+                    continue
             if n == 1 and req.sent_to_compute and has_free_slot(req):
                 in_blocks.append(req)  # the next token's slot is in a block it holds
                 budget -= 1
@@ -219,6 +242,8 @@ class Scheduler:
                 victim = self.running[-1]
                 if victim in planned:
                     budget += planned.pop(victim)[1]
+                    if (p := out.proposals.pop(victim, None)) is not None:
+                        budget += _num_proposed(p)
                 elif victim is not req and victim in in_blocks:
                     in_blocks.remove(victim)
                     budget += 1
@@ -230,6 +255,13 @@ class Scheduler:
                 planned[req] = (new_ids, n)
                 budget -= n
         return budget, preempted
+
+    def _speculate(self, spec: Speculator, req: Request, budget: int) -> list[int] | int:
+        """What `req` proposes this step: tokens (ngram) or how many to draft."""
+        tokens = req.token_ids
+        # Its tokens after the step (accepted + 1) stay within max_tokens and max_model_len.
+        limit = min(req.max_num_tokens, self.max_model_len) - len(tokens) - 1
+        return spec.propose(req.request_id, tokens, min(limit, budget))
 
     def _admit_waiting(self, planned: dict[Request, tuple[list[int], int]], budget: int) -> int:
         """Start waiting requests in order while budget, blocks and max_num_seqs allow."""
@@ -257,8 +289,17 @@ class Scheduler:
             budget -= n
         return budget
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step's result: advance progress, append sampled tokens, finish requests."""
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
+        """Apply a step's result: advance progress, append sampled tokens, finish requests.
+
+        `accepted`: speculative decoding's accepted proposals per request, which come before
+        its sampled token. A request that a token of them ends keeps none after it: its
+        lists in `accepted` and `sampled` are cut there (what the streams then get)."""
         finished = []
         cache_computed = self.block_manager.cache_computed
         release = self.block_manager.release_outside_window
@@ -270,6 +311,9 @@ class Scheduler:
         for req, n in out.scheduled():
             if req.status is not running:
                 continue  # aborted while the step was in flight
+            acc = accepted.get(req.request_id) if accepted else None
+            if acc:  # the accepted proposals' K/V is computed too
+                n += len(acc)
             computed = req.num_computed_tokens = req.num_computed_tokens + n
             # One token fills a block only at a block boundary; cache_computed catches
             # up from where it last stopped, so skipping the calls in between loses nothing.
@@ -287,6 +331,9 @@ class Scheduler:
             if token is None:
                 continue
             tokens = req.token_ids
+            if acc and self._take_accepted(req, acc, sampled, accepted):  # type: ignore[arg-type]
+                finished.append(req)
+                continue
             tokens.append(token)
             # stop_check's own conditions, less min_tokens: most tokens skip the call.
             if (
@@ -299,6 +346,29 @@ class Scheduler:
         return finished
 
     # ---------------------------------------------------------------- helpers
+    def _take_accepted(
+        self,
+        req: Request,
+        acc: list[int],
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]],
+    ) -> bool:
+        """Append accepted proposals until one ends the request (True: then its lists are
+        cut so that one is its last token)."""
+        tokens, rid = req.token_ids, req.request_id
+        for j, token in enumerate(acc):
+            tokens.append(token)
+            if (
+                token in req.stop_ids
+                or len(tokens) >= req.max_num_tokens
+                or len(tokens) >= self.max_model_len
+            ) and (status := req.stop_check(token, self.max_model_len)) is not None:
+                self.finish(rid, status)
+                accepted[rid] = acc[:j]
+                sampled[rid] = token
+                return True
+        return False
+
     def _fork_siblings(self, parent: Request) -> None:
         siblings = self.pending_forks.pop(parent.request_id)
         for child in siblings:

@@ -295,6 +295,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             info.num_kv_blocks = sched.block_manager.pool.num_blocks
             info.architecture, info.dtype, info.device = d.architecture, d.dtype, d.device
             _fill_stats(info.stats, sched, request.detailed)
+            if sched.speculator is not None:
+                info.speculative = sched.speculator.config.method
         return info
 
 
@@ -389,6 +391,9 @@ def _fill_stats(st: pb.EngineStats, sched: Scheduler, detailed: bool) -> None:
     st.num_running, st.num_waiting = stats.num_running, stats.num_waiting
     st.num_preemptions = stats.num_preemptions
     st.prefix_cache_queries, st.prefix_cache_hits = stats.kv.prefix_queries, stats.kv.prefix_hits
+    if (spec := sched.speculator) is not None:
+        st.num_spec_drafts, st.num_spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+        st.num_spec_accepted_tokens = spec.num_accepted_tokens
     if not detailed:
         return
     bm = sched.block_manager

@@ -84,14 +84,29 @@ def _serve(args: argparse.Namespace) -> int:
     log_args: tuple[str, ...] = ("--log-level", args.log_level, "--log-format", args.log_format)
     if args.otlp_traces_endpoint:
         log_args += ("--otlp-traces-endpoint", args.otlp_traces_endpoint)
+    control_args: list[str] = list(args.control_arg or [])
+    compute_args: list[str] = list(args.compute_arg or [])
+    if args.chat_template:
+        control_args += ["--chat-template", args.chat_template]
+    method = args.speculative or ("draft" if args.draft_model else None)
+    if method == "draft" and not args.draft_model:
+        raise SystemExit("hetero-infer serve: --speculative draft needs --draft-model PATH")
+    if method == "ngram" and args.draft_model:
+        raise SystemExit("hetero-infer serve: --draft-model is for --speculative draft")
+    if method is not None:
+        k = str(args.num_speculative_tokens)
+        control_args += ["--speculative", method, "--num-speculative-tokens", k]
+        compute_args += ["--max-speculative-tokens", k]
+    if args.draft_model:
+        compute_args += ["--draft-model", args.draft_model]
     return serve_stack(
         args.model,
         args.host,
         args.port,
-        list(args.compute_arg or []),
+        compute_args,
         log_args=log_args,
         metrics_ports=(args.compute_metrics_port, args.control_metrics_port),
-        control_args=("--chat-template", args.chat_template) if args.chat_template else (),
+        control_args=tuple(control_args),
     )
 
 
@@ -149,9 +164,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", default=None, help="a jinja2 chat template file (overrides the model's)"
     )
     p.add_argument(
+        "--speculative",
+        choices=("ngram", "draft"),
+        default=None,
+        help="speculative decoding: ngram (prompt lookup) or draft (needs --draft-model)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="speculative decoding: most tokens proposed per step",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative decoding: a smaller model with the same tokenizer (HF folder, "
+        ".gguf, or 'default'), loaded by the compute plane beside the target",
+    )
+    p.add_argument(
         "--compute-arg",
         action="append",
         help="extra flag for the compute plane, e.g. --compute-arg=--kv-cache-bytes=268435456",
+    )
+    p.add_argument(
+        "--control-arg",
+        action="append",
+        help="extra flag for the control plane, e.g. --control-arg=--speculative-max-batch=4",
     )
     p.set_defaults(func=_serve)
     return parser

@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "kv_cache_bytes", "bos_token_id", "attention_backend", "weight_bytes", "quantization", "sliding_window")
+    __slots__ = ("model_name", "architecture", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "kv_cache_bytes", "bos_token_id", "attention_backend", "weight_bytes", "quantization", "sliding_window", "draft_model", "max_speculative_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class DescribeResponse(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     dtype: str
@@ -52,7 +54,9 @@ class DescribeResponse(_message.Message):
     weight_bytes: int
     quantization: str
     sliding_window: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    draft_model: str
+    max_speculative_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., sliding_window: _Optional[int] = ..., draft_model: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "min_tokens", "min_tokens_banned_ids", "logit_bias", "prompt_logprobs")
@@ -124,20 +128,32 @@ class ContinuingRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "new_requests", "continuing", "finished_ids", "decode_ids", "masks")
+    __slots__ = ("step_id", "new_requests", "continuing", "finished_ids", "decode_ids", "masks", "proposals")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTINUING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_IDS_FIELD_NUMBER: _ClassVar[int]
     MASKS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     continuing: _containers.RepeatedCompositeFieldContainer[ContinuingRequest]
     finished_ids: _containers.RepeatedScalarFieldContainer[str]
     decode_ids: _containers.RepeatedScalarFieldContainer[str]
     masks: _containers.RepeatedCompositeFieldContainer[TokenMask]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., decode_ids: _Optional[_Iterable[str]] = ..., masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ...) -> None: ...
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., continuing: _Optional[_Iterable[_Union[ContinuingRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., decode_ids: _Optional[_Iterable[str]] = ..., masks: _Optional[_Iterable[_Union[TokenMask, _Mapping]]] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("request_id", "token_ids", "num_draft_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenMask(_message.Message):
     __slots__ = ("request_id", "size", "bitmask", "ids", "invert")
@@ -204,7 +220,7 @@ class RequestFailure(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining", "failed", "prompt_logprobs", "received_unix_ns", "prepare_ns", "replied_unix_ns")
+    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining", "failed", "prompt_logprobs", "received_unix_ns", "prepare_ns", "replied_unix_ns", "accepted")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +236,7 @@ class StepResult(_message.Message):
     RECEIVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     PREPARE_NS_FIELD_NUMBER: _ClassVar[int]
     REPLIED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -235,7 +252,18 @@ class StepResult(_message.Message):
     received_unix_ns: int
     prepare_ns: int
     replied_unix_ns: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., received_unix_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., replied_unix_ns: _Optional[int] = ...) -> None: ...
+    accepted: _containers.RepeatedCompositeFieldContainer[Accepted]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., received_unix_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., replied_unix_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[_Union[Accepted, _Mapping]]] = ...) -> None: ...
+
+class Accepted(_message.Message):
+    __slots__ = ("request_id", "token_ids", "num_proposed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_proposed: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_proposed: _Optional[int] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ()
@@ -250,7 +278,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_steps", "num_prompt_tokens_computed", "num_output_tokens_computed", "num_sampled_tokens", "num_requests_added", "num_active_requests", "num_failed_requests", "num_resets")
+    __slots__ = ("num_steps", "num_prompt_tokens_computed", "num_output_tokens_computed", "num_sampled_tokens", "num_requests_added", "num_active_requests", "num_failed_requests", "num_resets", "num_proposed_tokens", "num_accepted_tokens")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_COMPUTED_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +287,8 @@ class StatsResponse(_message.Message):
     NUM_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESETS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_prompt_tokens_computed: int
     num_output_tokens_computed: int
@@ -267,4 +297,6 @@ class StatsResponse(_message.Message):
     num_active_requests: int
     num_failed_requests: int
     num_resets: int
-    def __init__(self, num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_output_tokens_computed: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_requests_added: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., num_resets: _Optional[int] = ...) -> None: ...
+    num_proposed_tokens: int
+    num_accepted_tokens: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_prompt_tokens_computed: _Optional[int] = ..., num_output_tokens_computed: _Optional[int] = ..., num_sampled_tokens: _Optional[int] = ..., num_requests_added: _Optional[int] = ..., num_active_requests: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., num_resets: _Optional[int] = ..., num_proposed_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ...) -> None: ...

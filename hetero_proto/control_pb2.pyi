@@ -298,7 +298,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, detailed: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "has_chat_template", "compute_attached", "architecture", "dtype", "device", "stats", "generation_defaults_json")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "has_chat_template", "compute_attached", "architecture", "dtype", "device", "stats", "generation_defaults_json", "speculative")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -312,6 +312,7 @@ class ModelInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_DEFAULTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -325,10 +326,11 @@ class ModelInfoResponse(_message.Message):
     device: str
     stats: EngineStats
     generation_defaults_json: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., compute_attached: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., generation_defaults_json: _Optional[str] = ...) -> None: ...
+    speculative: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., compute_attached: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., generation_defaults_json: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_free_kv_blocks", "num_usable_kv_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "integrity_ok", "integrity_error", "num_kv_slots_allocated", "num_kv_slots_used")
+    __slots__ = ("num_free_kv_blocks", "num_usable_kv_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "integrity_ok", "integrity_error", "num_kv_slots_allocated", "num_kv_slots_used", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens")
     NUM_FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USABLE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -340,6 +342,9 @@ class EngineStats(_message.Message):
     INTEGRITY_ERROR_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_SLOTS_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_free_kv_blocks: int
     num_usable_kv_blocks: int
     num_running: int
@@ -351,4 +356,7 @@ class EngineStats(_message.Message):
     integrity_error: str
     num_kv_slots_allocated: int
     num_kv_slots_used: int
-    def __init__(self, num_free_kv_blocks: _Optional[int] = ..., num_usable_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_kv_slots_allocated: _Optional[int] = ..., num_kv_slots_used: _Optional[int] = ...) -> None: ...
+    num_spec_drafts: int
+    num_spec_draft_tokens: int
+    num_spec_accepted_tokens: int
+    def __init__(self, num_free_kv_blocks: _Optional[int] = ..., num_usable_kv_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., num_kv_slots_allocated: _Optional[int] = ..., num_kv_slots_used: _Optional[int] = ..., num_spec_drafts: _Optional[int] = ..., num_spec_draft_tokens: _Optional[int] = ..., num_spec_accepted_tokens: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,248 @@
+"""Speculative decoding's speed: n-gram (prompt lookup) and draft-model proposals vs none,
+through the OpenAI API of a three-process stack (bundled model, CPU), greedy.
+
+    python -m benchmarks.speculative            # writes docs/perf/speculative.json
+
+1. Batch 1: prompts whose answers repeat their input (repeat, edit code, extract, rewrite),
+   one request at a time, for: no speculation; n-gram (k = 4, adaptive); the model drafting
+   for itself (acceptance ~100%: shows what drafting costs); a smaller draft (the bundled
+   model's first DRAFT_LAYERS layers, cut from its GGUF: same vocabulary, a fraction of the
+   weights). Output tokens/s of each and its ratio to no speculation; acceptance from the
+   control plane's counters (mean acceptance length = tokens emitted per verification).
+   Greedy outputs are the same in every configuration (the e2e tests check it; this
+   asserts equal token counts).
+2. Cross-over: the same prompts at 1..32 concurrent requests with n-gram speculation in
+   every step vs none, to show where verifying proposals stops paying (the default
+   --speculative-max-batch sits below it).
+3. 32 concurrent requests with the default configuration (n-gram, adaptive, max batch):
+   throughput vs none.
+Run it alone on the machine: a second busy process changes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+
+from benchmarks.online import launched
+from benchmarks.workload import machine
+from hetero_common.model_path import bundled_gguf
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
+
+K = 4
+DRAFT_LAYERS = 8
+MAX_TOKENS = 128
+
+CODE = """def load_users(path):
+    users = []
+    with open(path) as f:
+        for line in f:
+            name, age, city = line.strip().split(",")
+            users.append({"name": name, "age": int(age), "city": city})
+    return users
+
+
+def adults(users):
+    return [u for u in users if u["age"] >= 18]
+"""
+TEXT = (
+    "The library opens at nine in the morning and closes at six in the evening. Members "
+    "may borrow up to five books at a time for three weeks. Late returns cost ten cents "
+    "per day per book. The reading room on the second floor is quiet and has free wifi, "
+    "and the children's corner on the ground floor has story time every Saturday at ten."
+)
+PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{TEXT}",
+    f"Rewrite this code with the function load_users renamed to read_users:\n\n{CODE}",
+    f"Add a docstring to each function in this code and write out the whole code:\n\n{CODE}",
+    f"Copy this text, but replace 'library' with 'museum':\n\n{TEXT}",
+    f"Extract every sentence of this text that mentions a time or a day:\n\n{TEXT}",
+    f"Write this code out again with type hints added:\n\n{CODE}",
+]
+
+
+def make_layer_draft(src: Path, num_layers: int, out: Path) -> Path:
+    """A GGUF of `src`'s first `num_layers` layers (its embeddings, final norm, output and
+    tokenizer kept, the quantized tensors copied as they are): a draft with its vocabulary."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = num_layers if key == f"{arch}.block_count" else f.contents()
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= num_layers:
+            continue
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+async def _round(url: str, model: str, prompts: list[str], max_tokens: int) -> tuple[float, int]:
+    """All `prompts` at once: (seconds, output tokens)."""
+
+    async def one(http: httpx.AsyncClient, text: str) -> int:
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+        }
+        r = await http.post(url + "/v1/chat/completions", json=body)
+        r.raise_for_status()
+        return int(r.json()["usage"]["completion_tokens"])
+
+    async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=64)) as http:
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(one(http, p) for p in prompts))
+        return time.perf_counter() - t0, sum(counts)
+
+
+def _spec_stats(control: str) -> dict[str, Any]:
+    with grpc.insecure_channel(control) as ch:
+        st = pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=10).stats
+    drafts = st.num_spec_drafts
+    return {
+        "verifications": drafts,
+        "proposed_tokens": st.num_spec_draft_tokens,
+        "accepted_tokens": st.num_spec_accepted_tokens,
+        "acceptance_rate": round(st.num_spec_accepted_tokens / st.num_spec_draft_tokens, 3)
+        if st.num_spec_draft_tokens
+        else None,
+        # tokens a verifying request emits per step (accepted + the sampled one)
+        "mean_acceptance_length": round(1 + st.num_spec_accepted_tokens / drafts, 3)
+        if drafts
+        else None,
+    }
+
+
+def _stack(model: str, control: tuple[str, ...] = (), compute: tuple[str, ...] = ()) -> Any:
+    return launched(
+        model, control_args=("--no-enable-prefix-caching", *control), compute_args=compute
+    )
+
+
+def batch_one(model: str, draft: Path, quick: bool) -> list[dict[str, Any]]:
+    spec = ("--num-speculative-tokens", str(K))
+    configs: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+        ("off", (), ()),
+        ("ngram", ("--speculative", "ngram", *spec), ()),
+        ("draft_self", ("--speculative", "draft", *spec), ("--draft-model", model)),
+        (
+            f"draft_{DRAFT_LAYERS}_layers",
+            ("--speculative", "draft", *spec),
+            ("--draft-model", str(draft)),
+        ),
+    ]
+    prompts = PROMPTS[:2] if quick else PROMPTS
+    rows: list[dict[str, Any]] = []
+    for name, control, compute in configs:
+        with _stack(model, control, compute) as (url, address):
+            served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            asyncio.run(_round(url, served, ["Say hello."], 8))  # warm-up
+            seconds, tokens = 0.0, 0
+            for p in prompts:  # one at a time: batch 1
+                s, n = asyncio.run(_round(url, served, [p], MAX_TOKENS))
+                seconds += s
+                tokens += n
+            row = {"config": name, "output_tokens": tokens, "seconds": round(seconds, 2)}
+            row["output_tok_s"] = round(tokens / seconds, 1)
+            if name != "off":
+                row.update(_spec_stats(address))
+            rows.append(row)
+            print(f"batch 1, {name}: {row}", flush=True)
+    base = rows[0]
+    for r in rows:
+        r["speedup"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
+        assert r["output_tokens"] == base["output_tokens"], "greedy outputs changed length"
+    return rows
+
+
+def concurrency(model: str, quick: bool) -> dict[str, Any]:
+    levels = [1, 4, 8] if quick else [1, 2, 4, 8, 16, 32]
+    max_tokens = 64 if quick else 96
+    forced: tuple[str, ...] = ("--speculative", "ngram", "--num-speculative-tokens", str(K))
+    forced += ("--speculative-max-batch", "256")
+    out: dict[str, Any] = {"levels": levels, "max_tokens": max_tokens}
+    for name, control in (("off", ()), ("ngram_every_step", forced)):
+        with _stack(model, control) as (url, _):
+            served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            asyncio.run(_round(url, served, ["Say hello."], 8))
+            rates = []
+            for c in levels:
+                prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+                s, n = asyncio.run(_round(url, served, prompts, max_tokens))
+                rates.append(round(n / s, 1))
+                print(f"{c} concurrent, {name}: {n / s:.1f} tok/s", flush=True)
+            out[name] = rates
+    out["ratio"] = [
+        round(a / b, 3) for a, b in zip(out["ngram_every_step"], out["off"], strict=True)
+    ]
+    return out
+
+
+def default_at(model: str, n: int) -> dict[str, Any]:
+    """n concurrent requests with the default speculative configuration vs none."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    rates = {}
+    for name, control in (("off", ()), ("ngram_default", ("--speculative", "ngram"))):
+        with _stack(model, control) as (url, _):
+            served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            asyncio.run(_round(url, served, ["Say hello."], 8))
+            s, tokens = asyncio.run(_round(url, served, prompts, 96))
+            rates[name] = round(tokens / s, 1)
+            print(f"{n} concurrent, {name}: {rates[name]} tok/s", flush=True)
+    return {"concurrent": n, **rates, "ratio": round(rates["ngram_default"] / rates["off"], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="default: the bundled GGUF")
+    ap.add_argument("--out", type=Path, default=Path("docs/perf/speculative.json"))
+    ap.add_argument("--quick", action="store_true", help="fewer prompts and levels (a smoke run)")
+    args = ap.parse_args()
+    model = args.model or str(bundled_gguf())
+    tmp = Path(tempfile.mkdtemp(prefix="hetero-draft-"))
+    draft = make_layer_draft(Path(model), DRAFT_LAYERS, tmp / f"first-{DRAFT_LAYERS}-layers.gguf")
+    try:
+        report: dict[str, Any] = {
+            "machine": machine(),
+            "model": Path(model).name,
+            "k": K,
+            "max_tokens": MAX_TOKENS,
+            "batch_1": batch_one(model, draft, args.quick),
+            "concurrency": concurrency(model, args.quick),
+        }
+        report["default_at_32"] = default_at(model, 8 if args.quick else 32)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    for r in report["batch_1"]:
+        extra = f", acceptance length {r['mean_acceptance_length']}" if "verifications" in r else ""
+        print(f"batch 1 {r['config']}: {r['output_tok_s']} tok/s ({r['speedup']}x){extra}")
+    print(f"32 concurrent, default n-gram: {report['default_at_32']['ratio']}x of none")
+    print(f"report: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
