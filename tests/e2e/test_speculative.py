@@ -38,7 +38,7 @@ ASKS = [
     "What is this about? {}",
 ]
 PROMPTS = [ask.format(text) for text in TEXTS for ask in ASKS]
-MAX_BLOCKS = 40  # of 16 tokens: 8 concurrent requests of ~100 tokens do not all fit
+MAX_BLOCKS = 24  # of 16 tokens: 8 concurrent requests of up to ~110 tokens do not all fit
 
 
 def _params(i: int) -> dict[str, Any]:
