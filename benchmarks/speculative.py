@@ -55,19 +55,47 @@ CODE = """def load_users(path):
 def adults(users):
     return [u for u in users if u["age"] >= 18]
 """
+CODE2 = """class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+    def peek(self):
+        return self.items[-1]
+
+    def is_empty(self):
+        return len(self.items) == 0
+"""
 TEXT = (
     "The library opens at nine in the morning and closes at six in the evening. Members "
     "may borrow up to five books at a time for three weeks. Late returns cost ten cents "
     "per day per book. The reading room on the second floor is quiet and has free wifi, "
     "and the children's corner on the ground floor has story time every Saturday at ten."
 )
+TEXT2 = (
+    "To make the bread, mix the flour, water, salt and yeast in a large bowl. Knead the "
+    "dough for ten minutes until it is smooth, then leave it to rise for an hour. Shape "
+    "the loaf, let it rise for another thirty minutes, and bake it at two hundred degrees "
+    "for forty minutes until the crust is golden brown."
+)
+TYPOS = (
+    "Our team meeting is on Monday at ten in the morning. Please bring your laptop, the "
+    "project plan and the budjet report. We will discus the new schedule, the design "
+    "changes and the testing plan, and we will finish by noon."
+)
+# Tasks whose answers repeat their input: repeat, edit code, correct, extract.
 PROMPTS = [
     f"Repeat the following text exactly, word for word:\n\n{TEXT}",
-    f"Rewrite this code with the function load_users renamed to read_users:\n\n{CODE}",
+    f"Repeat the following text exactly, word for word:\n\n{TEXT2}",
     f"Add a docstring to each function in this code and write out the whole code:\n\n{CODE}",
-    f"Copy this text, but replace 'library' with 'museum':\n\n{TEXT}",
-    f"Extract every sentence of this text that mentions a time or a day:\n\n{TEXT}",
-    f"Write this code out again with type hints added:\n\n{CODE}",
+    f"Add a docstring to each method in this code and write out the whole code:\n\n{CODE2}",
+    f"Correct the spelling mistakes in this text and write out the corrected text:\n\n{TYPOS}",
+    f"Extract the class from this code and write it out:\n\n{CODE2}",
 ]
 
 

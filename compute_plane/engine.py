@@ -395,7 +395,9 @@ class Engine:
         return good, self.runner.run(good, self.capture_logits)
 
     def _run(self, rows: list[Row], result: pb.StepResult) -> None:
-        rows.sort(key=lambda r: r.count != 1)  # decodes first (stable)
+        # Decodes first, then rows with a proposal (k + 1 one-token queries), then prefill
+        # chunks (stable: in the step's order otherwise).
+        rows.sort(key=lambda r: 0 if r.count == 1 else 1 if r.draft else 2)
         try:
             out = self.runner.run(rows, self.capture_logits)
         except Exception:

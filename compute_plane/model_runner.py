@@ -78,12 +78,22 @@ class ModelRunner:
         return self._tokens.shape[1], *self._tables.shape
 
     def prepare(self, rows: list[Row]) -> StepInputs:
-        """The step's tensors; `rows` must be decodes first (one token each)."""
+        """The step's tensors; `rows` must be decodes first (one token each), then rows with
+        a proposal, then prefill chunks.
+
+        A row with a proposal (its last known token and k proposed ones) goes to attention
+        as k + 1 one-token queries of the same request, the j-th seeing j more positions:
+        every backend writes a step's K/V before it attends, so that is causal attention
+        over the k + 1 tokens, and the step stays a decode step (the CPU's fused decode,
+        CUDA graphs)."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_idx: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        seq_rows: list[Row] = []  # per attention sequence
         for r in rows:
             st, end = r.state, r.start + r.count
             ids.extend(st.token_ids[r.start : end])
@@ -91,29 +101,41 @@ class ModelRunner:
             positions.extend(pos)
             table = st.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if r.samples:  # a proposal's row samples after each of its last k + 1 tokens
-                k = len(r.draft) if r.draft else 0
-                sample_idx.extend(range(len(ids) - 1 - k, len(ids)))
+            if r.draft or r.as_decodes:
+                if r.draft:  # samples after each of its k + 1 tokens
+                    sample_idx.extend(range(len(ids) - r.count, len(ids)))
+                elif r.samples:
+                    sample_idx.append(len(ids) - 1)
+                seq_lens.extend(range(r.start + 1, end + 1))
+                query_lens.extend([1] * r.count)
+                seq_rows.extend([r] * r.count)
+                continue
+            if r.samples:
+                sample_idx.append(len(ids) - 1)
+            seq_lens.append(end)
+            query_lens.append(r.count)
+            seq_rows.append(r)
         n, width = len(ids), max(len(r.state.block_ids) for r in rows)
+        num_seqs = len(seq_rows)
         held, seqs, cols = self.capacity
         if n > held:
             self._alloc_tokens(max(n, 2 * held))
-        if len(rows) > seqs or width > cols:
-            self._alloc_tables(max(len(rows), seqs), max(width, cols))
+        if num_seqs > seqs or width > cols:
+            self._alloc_tables(max(num_seqs, seqs), max(width, cols))
         buf = self._tokens_np
         buf[0, :n], buf[1, :n], buf[2, :n] = ids, positions, slots
-        tables = self._tables_np[: len(rows), :width]
+        tables = self._tables_np[:num_seqs, :width]
         tables.fill(0)
-        for i, r in enumerate(rows):
+        for i, r in enumerate(seq_rows):
             tables[i, : len(r.state.block_ids)] = r.state.block_ids
         dev = self.device
         host = self._tokens[:, :n]
         meta = AttentionMetadata(
             slot_mapping=host[2].to(dev, non_blocking=True),
-            block_tables=self._tables[: len(rows), :width].to(dev, non_blocking=True),
-            seq_lens=[r.start + r.count for r in rows],
-            query_lens=[r.count for r in rows],
-            num_decodes=sum(1 for r in rows if r.count == 1),
+            block_tables=self._tables[:num_seqs, :width].to(dev, non_blocking=True),
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            num_decodes=sum(1 for q in query_lens if q == 1),
             block_size=bs,
         )
         return StepInputs(

@@ -44,6 +44,9 @@ class Row:
     # Speculative decoding: the proposed tokens this step verifies after its last known
     # token (appended to state.token_ids while the step runs; `count` includes them).
     draft: list[int] | None = None
+    # Its tokens go to attention as one-token queries (a few tokens of a request whose
+    # earlier ones are cached: the draft model's catch-up), sampling after the last.
+    as_decodes: bool = False
 
     @property
     def samples(self) -> bool:

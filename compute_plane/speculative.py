@@ -31,6 +31,8 @@ from compute_plane.requests import RequestState, Row
 
 log = logging.getLogger(__name__)
 
+CATCH_UP = 8  # a catch-up of at most this many tokens runs as one-token queries (decode path)
+
 
 def accepted_length(sampled: list[int], proposed: list[int]) -> int:
     """How many proposed tokens the target's samples reproduce, from the first on."""
@@ -74,10 +76,12 @@ class Drafter:
             n = len(tokens)
             start = min(self.computed.get(r.request_id, 0), n - 1)
             view = RequestState(tokens, st.num_prompt_tokens, start, st.block_ids, st.sampling)
-            work.append(_Drafting(r, k, view, Row(r.request_id, view, start, n - start), n))
+            step = Row(r.request_id, view, start, n - start, as_decodes=n - start <= CATCH_UP)
+            work.append(_Drafting(r, k, view, step, n))
         active = work
         while active:
-            active.sort(key=lambda w: w.step.count != 1)  # the runner wants decodes first
+            # The runner wants decodes first (a short catch-up runs as decodes too).
+            active.sort(key=lambda w: not (w.step.count == 1 or w.step.as_decodes))
             x = self.runner.prepare([w.step for w in active])
             hidden = self.model.forward(x.input_ids, x.positions, x.meta, self.kv_cache.layers)
             tokens = self.model.logits(hidden[x.sample_index]).argmax(dim=-1).tolist()
