@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
+import statistics
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,22 +130,46 @@ def make_layer_draft(src: Path, num_layers: int, out: Path) -> Path:
 
 async def _round(url: str, model: str, prompts: list[str], max_tokens: int) -> tuple[float, int]:
     """All `prompts` at once: (seconds, output tokens)."""
+    seconds, tokens, _ = await _streamed(url, model, prompts, max_tokens)
+    return seconds, tokens
 
-    async def one(http: httpx.AsyncClient, text: str) -> int:
+
+async def _streamed(
+    url: str, model: str, prompts: list[str], max_tokens: int
+) -> tuple[float, int, float]:
+    """All `prompts` at once, streamed: (seconds, output tokens, seconds after each
+    request's first token, summed: the decode time)."""
+
+    async def one(http: httpx.AsyncClient, text: str) -> tuple[int, float]:
         body = {
             "model": model,
             "messages": [{"role": "user", "content": text}],
             "temperature": 0,
             "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
-        r = await http.post(url + "/v1/chat/completions", json=body)
-        r.raise_for_status()
-        return int(r.json()["usage"]["completion_tokens"])
+        first, tokens = None, 0
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if (
+                    first is None
+                    and chunk["choices"]
+                    and chunk["choices"][0]["delta"].get("content")
+                ):
+                    first = time.perf_counter()
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+        return tokens, time.perf_counter() - (first or time.perf_counter())
 
     async with httpx.AsyncClient(timeout=1200, limits=httpx.Limits(max_connections=64)) as http:
         t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(http, p) for p in prompts))
-        return time.perf_counter() - t0, sum(counts)
+        got = await asyncio.gather(*(one(http, p) for p in prompts))
+        return time.perf_counter() - t0, sum(n for n, _ in got), sum(d for _, d in got)
 
 
 def _spec_stats(control: str) -> dict[str, Any]:
@@ -165,8 +192,27 @@ def _spec_stats(control: str) -> dict[str, Any]:
 
 def _stack(model: str, control: tuple[str, ...] = (), compute: tuple[str, ...] = ()) -> Any:
     return launched(
-        model, control_args=("--no-enable-prefix-caching", *control), compute_args=compute
+        model,
+        control_args=("--no-enable-prefix-caching", *control),
+        compute_args=("--kv-cache-bytes", str(256 << 20), *compute),
     )
+
+
+@contextlib.contextmanager
+def _stacks(
+    model: str, configs: Sequence[tuple[str, tuple[str, ...], tuple[str, ...]]]
+) -> Iterator[dict[str, tuple[str, str, str]]]:
+    """The configurations' stacks up at once, so that their measurements can interleave
+    (drift on the machine hits each alike): name -> (gateway URL, control address, served
+    model)."""
+    with contextlib.ExitStack() as stack:
+        out = {}
+        for name, control, compute in configs:
+            url, address = stack.enter_context(_stack(model, control, compute))
+            served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            asyncio.run(_round(url, served, ["Say hello."], 8))  # warm-up
+            out[name] = (url, address, served)
+        yield out
 
 
 def batch_one(model: str, draft: Path, quick: bool) -> list[dict[str, Any]]:
@@ -183,62 +229,80 @@ def batch_one(model: str, draft: Path, quick: bool) -> list[dict[str, Any]]:
     ]
     prompts = PROMPTS[:2] if quick else PROMPTS
     rows: list[dict[str, Any]] = []
-    for name, control, compute in configs:
-        with _stack(model, control, compute) as (url, address):
-            served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            asyncio.run(_round(url, served, ["Say hello."], 8))  # warm-up
-            seconds, tokens = 0.0, 0
-            for p in prompts:  # one at a time: batch 1
-                s, n = asyncio.run(_round(url, served, [p], MAX_TOKENS))
-                seconds += s
-                tokens += n
-            row = {"config": name, "output_tokens": tokens, "seconds": round(seconds, 2)}
-            row["output_tok_s"] = round(tokens / seconds, 1)
-            if name != "off":
-                row.update(_spec_stats(address))
-            rows.append(row)
-            print(f"batch 1, {name}: {row}", flush=True)
+    # One stack at a time, alone on the machine (an idle stack beside a busy one, or
+    # switching between them, slowed the faster configuration's short requests most):
+    # an untimed pass over the prompts, then the timed one.
+    for config in configs:
+        with _stacks(model, [config]) as stacks:
+            name = config[0]
+            url, address, served = stacks[name]
+            for _pass in ("untimed", "timed"):  # the last pass counts
+                seconds, tokens, decode = 0.0, 0, 0.0
+                for p in prompts:  # one at a time: batch 1
+                    s, n, d = asyncio.run(_streamed(url, served, [p], MAX_TOKENS))
+                    seconds, tokens, decode = seconds + s, tokens + n, decode + d
+            stats = _spec_stats(address) if name != "off" else {}
+        row: dict[str, Any] = {"config": name, "output_tokens": tokens}
+        row["seconds"] = round(seconds, 2)
+        row["output_tok_s"] = round(tokens / seconds, 1)
+        # After the first token (no prompt): tokens per second of decoding.
+        row["decode_tok_s"] = round((tokens - len(prompts)) / decode, 1)
+        row.update(stats)  # (both passes)
+        rows.append(row)
+        print(f"batch 1, {name}: {row}", flush=True)
     base = rows[0]
     for r in rows:
         r["speedup"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
+        r["decode_speedup"] = round(r["decode_tok_s"] / base["decode_tok_s"], 3)
         assert r["output_tokens"] == base["output_tokens"], "greedy outputs changed length"
     return rows
 
 
+def _compare(
+    stacks: dict[str, tuple[str, str, str]], n: int, max_tokens: int, repeats: int
+) -> dict[str, float]:
+    """n concurrent requests on each stack in turn, `repeats` times: median tokens/s."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+    runs: dict[str, list[float]] = {name: [] for name in stacks}
+    for _ in range(repeats):
+        for name, (url, _, served) in stacks.items():
+            time.sleep(1.0)  # the other stack's threads settle
+            s, tokens = asyncio.run(_round(url, served, prompts, max_tokens))
+            runs[name].append(tokens / s)
+    return {name: round(statistics.median(r), 1) for name, r in runs.items()}
+
+
 def concurrency(model: str, quick: bool) -> dict[str, Any]:
+    """Where speculating in every step stops paying: n-gram forced on vs off."""
     levels = [1, 4, 8] if quick else [1, 2, 4, 8, 16, 32]
     max_tokens = 64 if quick else 96
     forced: tuple[str, ...] = ("--speculative", "ngram", "--num-speculative-tokens", str(K))
     forced += ("--speculative-max-batch", "256")
-    out: dict[str, Any] = {"levels": levels, "max_tokens": max_tokens}
-    for name, control in (("off", ()), ("ngram_every_step", forced)):
-        with _stack(model, control) as (url, _):
-            served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            asyncio.run(_round(url, served, ["Say hello."], 8))
-            rates = []
-            for c in levels:
-                prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
-                s, n = asyncio.run(_round(url, served, prompts, max_tokens))
-                rates.append(round(n / s, 1))
-                print(f"{c} concurrent, {name}: {n / s:.1f} tok/s", flush=True)
-            out[name] = rates
+    configs = [("off", (), ()), ("ngram_every_step", forced, ())]
+    out: dict[str, Any] = {
+        "levels": levels,
+        "max_tokens": max_tokens,
+        "off": [],
+        "ngram_every_step": [],
+    }
+    with _stacks(model, configs) as stacks:
+        for c in levels:
+            rates = _compare(stacks, c, max_tokens, 1 if quick else 2)
+            for name, rate in rates.items():
+                out[name].append(rate)
+            print(f"{c} concurrent: {rates}", flush=True)
     out["ratio"] = [
         round(a / b, 3) for a, b in zip(out["ngram_every_step"], out["off"], strict=True)
     ]
     return out
 
 
-def default_at(model: str, n: int) -> dict[str, Any]:
+def default_at(model: str, n: int, quick: bool) -> dict[str, Any]:
     """n concurrent requests with the default speculative configuration vs none."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-    rates = {}
-    for name, control in (("off", ()), ("ngram_default", ("--speculative", "ngram"))):
-        with _stack(model, control) as (url, _):
-            served = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            asyncio.run(_round(url, served, ["Say hello."], 8))
-            s, tokens = asyncio.run(_round(url, served, prompts, 96))
-            rates[name] = round(tokens / s, 1)
-            print(f"{n} concurrent, {name}: {rates[name]} tok/s", flush=True)
+    configs = [("off", (), ()), ("ngram_default", ("--speculative", "ngram"), ())]
+    with _stacks(model, configs) as stacks:
+        rates = _compare(stacks, n, 96, 1 if quick else 3)
+    print(f"{n} concurrent: {rates}", flush=True)
     return {"concurrent": n, **rates, "ratio": round(rates["ngram_default"] / rates["off"], 3)}
 
 
@@ -260,14 +324,17 @@ def main() -> None:
             "batch_1": batch_one(model, draft, args.quick),
             "concurrency": concurrency(model, args.quick),
         }
-        report["default_at_32"] = default_at(model, 8 if args.quick else 32)
+        report["default_at_32"] = default_at(model, 8 if args.quick else 32, args.quick)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for r in report["batch_1"]:
         extra = f", acceptance length {r['mean_acceptance_length']}" if "verifications" in r else ""
-        print(f"batch 1 {r['config']}: {r['output_tok_s']} tok/s ({r['speedup']}x){extra}")
+        print(
+            f"batch 1 {r['config']}: {r['output_tok_s']} tok/s ({r['speedup']}x), decoding "
+            f"{r['decode_tok_s']} tok/s ({r['decode_speedup']}x){extra}"
+        )
     print(f"32 concurrent, default n-gram: {report['default_at_32']['ratio']}x of none")
     print(f"report: {args.out}")
 

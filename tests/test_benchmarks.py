@@ -132,3 +132,25 @@ def test_step_timeline_tiny(tmp_path: Path) -> None:
     assert busy_idle == pytest.approx(ms["step"]["mean"], rel=1e-3)
     parts = ms["prepare"]["mean"] + ms["forward"]["mean"] + ms["sample"]["mean"]
     assert parts <= ms["compute_busy"]["mean"]
+
+
+def test_layer_draft_is_the_models_first_layers(tmp_path: Path) -> None:
+    """benchmarks.speculative's small draft: the bundled GGUF's first layers, its embeddings,
+    output and tokenizer, the quantized tensors copied as they are."""
+    import torch
+
+    from benchmarks.speculative import make_layer_draft
+    from compute_plane.loader import load_model
+    from control_plane.tokenizer import load_tokenizer
+    from hetero_common.model_path import bundled_gguf
+
+    src = bundled_gguf()
+    draft = make_layer_draft(src, 2, tmp_path / "draft.gguf")
+    full, cut = load_model(src, progress=False), load_model(draft, progress=False)
+    assert cut.config.num_layers == 2 and full.config.num_layers > 2
+    assert cut.config.vocab_size == full.config.vocab_size
+    for name in ("model.embed_tokens.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert torch.equal(cut.weights[name], full.weights[name]), name
+    assert "model.layers.2.mlp.down_proj.weight" not in cut.weights
+    text = "Speculative decoding, drafted."
+    assert load_tokenizer(draft).encode(text) == load_tokenizer(src).encode(text)
