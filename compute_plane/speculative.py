@@ -32,6 +32,7 @@ from compute_plane.requests import RequestState, Row
 log = logging.getLogger(__name__)
 
 CATCH_UP = 8  # a catch-up of at most this many tokens runs as one-token queries (decode path)
+CATCH_UP_CHUNK = 512  # a longer one runs in forwards of at most this many tokens
 
 
 def accepted_length(sampled: list[int], proposed: list[int]) -> int:
@@ -78,6 +79,13 @@ class Drafter:
             view = RequestState(tokens, st.num_prompt_tokens, start, st.block_ids, st.sampling)
             step = Row(r.request_id, view, start, n - start, as_decodes=n - start <= CATCH_UP)
             work.append(_Drafting(r, k, view, step, n))
+        for w in work:  # a long catch-up (the prompt, at first) in chunks, sampling nothing
+            while w.step.count > CATCH_UP_CHUNK:
+                rid, first = w.step.request_id, w.step.start
+                x = self.runner.prepare([Row(rid, w.view, first, CATCH_UP_CHUNK)])
+                self.model.forward(x.input_ids, x.positions, x.meta, self.kv_cache.layers)
+                rest = w.step.count - CATCH_UP_CHUNK
+                w.step = Row(rid, w.view, first + CATCH_UP_CHUNK, rest, as_decodes=rest <= CATCH_UP)
         active = work
         while active:
             # The runner wants decodes first (a short catch-up runs as decodes too).

@@ -121,6 +121,11 @@ class BlockManager:
         return hits
 
     # ------------------------------------------------------------------ changes
+    def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
+        """Blocks a held request needs beyond its own for `num_new_tokens` more tokens."""
+        held = len(self._tables.get(req.request_id, ()))
+        return max(0, -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - held)
+
     def allocate(
         self, req: Request, num_new_tokens: int, prefix: list[Block] | None = None
     ) -> list[int] | None:

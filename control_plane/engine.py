@@ -444,8 +444,11 @@ class ControlEngine:
         lm = self._loop_metrics
         drafts = proposed = taken = 0
         per_pos: dict[int, int] = {}
+        live = sched.requests
         for a in result.accepted:
             acc = accepted[a.request_id] = list(a.token_ids)
+            if a.request_id not in live:
+                continue  # ended while the step ran (stop string, abort): not counted
             drafts += 1
             proposed += a.num_proposed
             taken += len(acc)

@@ -228,7 +228,11 @@ class Scheduler:
             if n == 1 and spec is not None and req.sent_to_compute and req.grammar is None:
                 proposal = self._speculate(spec, req, budget - 1)
                 k = _num_proposed(proposal)
-                if k and (new_ids := allocate(req, 1 + k)) is not None:
+                if (
+                    k
+                    and self._spare_blocks(req, k)
+                    and (new_ids := allocate(req, 1 + k)) is not None
+                ):
                     planned[req] = (new_ids, 1)
                     out.proposals[req] = proposal
                     budget -= 1 + k
@@ -255,6 +259,14 @@ class Scheduler:
                 planned[req] = (new_ids, n)
                 budget -= n
         return budget, preempted
+
+    def _spare_blocks(self, req: Request, k: int) -> bool:
+        """Whether the pool can spare the blocks of k proposed positions: the blocks they
+        need beyond the request's next token leave at least one per running request (so
+        speculating does not make another request, or this one, be preempted)."""
+        bm = self.block_manager
+        extra = bm.blocks_needed(req, 1 + k) - bm.blocks_needed(req, 1)
+        return extra == 0 or bm.num_free_blocks - extra >= len(self.running)
 
     def _speculate(self, spec: Speculator, req: Request, budget: int) -> list[int] | int:
         """What `req` proposes this step: tokens (ngram) or how many to draft."""
@@ -312,8 +324,11 @@ class Scheduler:
             if req.status is not running:
                 continue  # aborted while the step was in flight
             acc = accepted.get(req.request_id) if accepted else None
-            if acc:  # the accepted proposals' K/V is computed too
+            if acc:  # the accepted proposals' K/V is computed too; they are its next tokens
                 n += len(acc)
+                if self._take_accepted(req, acc, sampled, accepted):  # type: ignore[arg-type]
+                    finished.append(req)
+                    continue
             computed = req.num_computed_tokens = req.num_computed_tokens + n
             # One token fills a block only at a block boundary; cache_computed catches
             # up from where it last stopped, so skipping the calls in between loses nothing.
@@ -331,9 +346,6 @@ class Scheduler:
             if token is None:
                 continue
             tokens = req.token_ids
-            if acc and self._take_accepted(req, acc, sampled, accepted):  # type: ignore[arg-type]
-                finished.append(req)
-                continue
             tokens.append(token)
             # stop_check's own conditions, less min_tokens: most tokens skip the call.
             if (

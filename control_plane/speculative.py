@@ -3,8 +3,9 @@
 Two proposers (`--speculative`):
   * ngram: prompt lookup. The last n tokens (n from ngram_max down to ngram_min) are looked
     up earlier in the request's prompt and output; the k tokens that followed the latest
-    earlier occurrence are proposed. Costs no model, runs here while the compute plane steps,
-    and pays where the answer repeats the input (summaries, edits, extraction).
+    earlier occurrence are proposed. Costs no model (a scan of the request's tokens when
+    the step is planned), and pays where the answer repeats the input (summaries, edits,
+    extraction).
   * draft: the compute plane's draft model proposes k tokens (Proposal.num_draft_tokens).
 
 The compute plane verifies the proposals in the request's decode step (compute.proto

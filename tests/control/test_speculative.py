@@ -161,3 +161,28 @@ def test_random_workloads_keep_pages_and_progress_consistent(seed: int, num_bloc
     assert all(r.num_output_tokens <= r.max_tokens for r in reqs)
     sched.block_manager.check_integrity()
     assert sched.block_manager.num_free_blocks == num_blocks - 1
+
+
+def test_accepted_tokens_that_fill_a_block_index_it_for_the_prefix_cache() -> None:
+    sched = _sched()
+    req = _request("a", [5, 6, 7, 5, 6, 7])
+    sched.add_request(req)
+    sched.update(sched.schedule(), {"a": 5})  # tokens 5 6 7 5 | 6 7 5
+    out = sched.schedule()
+    assert out.proposals[req] == [6, 7, 5]
+    sched.update(out, {"a": 9}, {"a": [6, 7]})  # 5 6 7 5 | 6 7 5 6 | 7 9: block 2 computed
+    assert req.num_computed_tokens == 9
+    twin = _request("b", [*req.token_ids[:8], 1])
+    assert len(sched.block_manager.find_prefix(twin)) == 2  # both full blocks, rightly hashed
+
+
+def test_no_proposal_takes_the_blocks_other_requests_need() -> None:
+    sched = _sched(num_blocks=6)  # 5 usable blocks of 4
+    a, b = _request("a", [1, 2, 1, 2, 1, 2, 1]), _request("b", [3, 4, 3, 4, 3, 4, 3])
+    for r in (a, b):
+        sched.add_request(r)
+    sched.update(sched.schedule(), {"a": 2, "b": 4})  # 8 tokens each: 2 blocks each, 1 free
+    out = sched.schedule()
+    # A proposal would need a block for its positions, leaving fewer than one per running
+    # request: neither proposes, and no one is preempted.
+    assert out.proposals == {} and sched.num_preemptions == 0

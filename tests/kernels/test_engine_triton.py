@@ -133,3 +133,49 @@ def test_engine_logits_equal_the_torch_backend(tiny) -> None:  # type: ignore[no
             expected = ref(torch.tensor([tokens[rid][:computed]])).logits[0, start:]
         err = (ours.cpu() - expected).abs().max().item()
         assert err <= 1e-3, f"{rid}: max abs logit difference to transformers {err:.2e}"
+
+
+def test_verifying_proposals_keeps_greedy_tokens(tiny) -> None:  # type: ignore[no-untyped-def]
+    """Speculative decoding on the Triton path: a proposal's k + 1 tokens go to the decode
+    kernel as one-token queries of the request (each one more position); greedy tokens
+    with proposals, right or wrong, equal those of one-token steps."""
+    from hetero_proto import compute_pb2 as pb
+
+    path, _ = tiny
+    engine = _engine(path, "triton")
+    engine.capture_logits = False
+    vocab = engine.model_config.vocab_size
+    prompt = [random.Random(3).randrange(3, vocab) for _ in range(10)]
+
+    def run(propose: bool, plain: list[int] | None = None) -> list[int]:
+        engine.reset()
+        drv = StepDriver(engine.num_blocks, BLOCK, seed=2)
+        res = engine.step(drv.step(new=[drv.new("a", prompt, len(prompt))]))
+        out = list(res.sampled_token_ids)
+        while len(out) < 8:
+            k = 0
+            step_props = []
+            if propose and plain is not None:
+                right = plain[len(out) : len(out) + 3]
+                guess = [*right[:-1], (right[-1] + 1) % vocab] if len(right) == 3 else right
+                k = len(guess)
+                if k:
+                    step_props.append(pb.Proposal(request_id="a", token_ids=guess))
+            new_ids = drv._grow("a", len(prompt) + len(out) + k)
+            step = drv.step(
+                cont=[
+                    pb.ContinuingRequest(
+                        request_id="a", new_block_ids=new_ids, num_scheduled_tokens=1
+                    )
+                ]
+            )
+            step.proposals.extend(step_props)
+            res = engine.step(step)
+            assert not res.HasField("error") and not res.failed, (res.error, res.failed)
+            acc = [list(a.token_ids) for a in res.accepted]
+            out += (acc[0] if acc else []) + list(res.sampled_token_ids)
+        return out[:8]
+
+    plain = run(False)
+    assert run(True, plain) == plain
+    assert engine.stats().num_accepted_tokens > 0
