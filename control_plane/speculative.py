@@ -20,6 +20,7 @@ stops proposing for a while (doubling pauses), then tries one token again.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -53,36 +54,31 @@ def ngram_propose(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
     """Up to k tokens that followed an earlier occurrence of the longest suffix of `tokens`
     (n_max down to n_min tokens long) that recurs: the latest occurrence followed by k
     tokens, else the one followed by the most (one that overlaps the suffix is cut short
-    by the end of `tokens`); [] when none recurs."""
+    by the end of `tokens`); [] when none recurs.
+
+    The search runs over the tokens' bytes (4 per token) with bytes.rfind, in C: a few
+    microseconds per thousand tokens where a Python loop takes milliseconds."""
     size = len(tokens)
+    if size < 2:
+        return []
+    data = array("i", tokens).tobytes()
     for n in range(min(n_max, size - 1), n_min - 1, -1):
-        suffix = tokens[size - n :]
-        first = suffix[0]
+        pattern = data[(size - n) * 4 :]
         best: list[int] = []
-        i = size - n - 1  # occurrences start before the suffix; scan backwards
-        while i >= 0:
-            try:
-                i = _rindex(tokens, first, 0, i + 1)
-            except ValueError:
-                break
-            if tokens[i : i + n] == suffix:
-                follow = tokens[i + n : i + n + k]
-                if len(follow) == k:
-                    return follow
-                if len(follow) > len(best):
-                    best = follow
-            i -= 1
+        end = (size - 1) * 4  # an occurrence starts before the suffix itself
+        while (at := data.rfind(pattern, 0, end)) >= 0:
+            end = at + len(pattern) - 1  # next: occurrences that start before this one
+            if at % 4:
+                continue  # straddles two tokens
+            i = at // 4
+            follow = tokens[i + n : i + n + k]
+            if len(follow) == k:
+                return follow
+            if len(follow) > len(best):
+                best = follow
         if best:
             return best
     return []
-
-
-def _rindex(seq: list[int], value: int, start: int, stop: int) -> int:
-    """Last index of `value` in seq[start:stop] (ValueError when absent)."""
-    for i in range(stop - 1, start - 1, -1):
-        if seq[i] == value:
-            return i
-    raise ValueError(value)
 
 
 @dataclass

@@ -39,9 +39,11 @@ def test_ngram_proposes_what_followed_the_latest_earlier_match() -> None:
     assert ngram_propose([4, 4, 4, 4], 3, 1, 2) == [4, 4]  # an overlapping match
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(
-    st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    # Small ids recur often; ids whose bytes shift into each other (256 = 00 01 00 00, ...)
+    # make byte matches that straddle two tokens, which must not count.
+    st.lists(st.sampled_from([0, 1, 2, 3, 256, 257, 65536, 16777216]), min_size=1, max_size=40),
     st.integers(1, 6),
     st.integers(1, 3),
     st.integers(0, 3),
