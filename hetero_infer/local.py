@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -110,18 +110,26 @@ def local_planes(
         yield control
 
 
-def wait_http_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+def wait_http_ready(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 300.0,
+    stopping: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Wait until `url` answers 200 (True), or `stopping()` turns true first (False)."""
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if stopping():
+            return False
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode} before it was ready")
         try:
             with urllib.request.urlopen(url, timeout=1.0) as r:
                 if r.status == 200:
-                    return
+                    return True
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.2)
@@ -170,8 +178,10 @@ def serve_stack(
             ]
         )
         try:
-            wait_http_ready(f"http://{host}:{port}/ready", gw)
-            print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
+            # A SIGTERM while the gateway starts is a clean stop too (its process group
+            # may have had it as well, so the gateway may have exited 0 already).
+            if wait_http_ready(f"http://{host}:{port}/ready", gw, stopping=lambda: stop):
+                print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
             while not stop and gw.poll() is None:
                 time.sleep(0.2)
         finally:
