@@ -437,9 +437,9 @@ class Engine:
         """Append each row's sampled token to its request; logprobs where asked. A row with
         a proposal keeps the proposed tokens its samples reproduce and the first sample
         that differs (or the one after the last proposal)."""
-        sampled_ids: list[str] = []
         sampled_tokens: list[int] = []
         c = self.counters
+        accepted = 0  # proposed tokens kept, over the rows
         i = 0  # the row's first entry in `out` (a row with k proposals has k + 1)
         for r in rows:
             st = r.state
@@ -452,7 +452,7 @@ class Engine:
                 st.token_ids.extend(samples[: a + 1])
                 result.accepted.add(request_id=r.request_id, token_ids=samples[:a], num_proposed=k)
                 c.num_proposed_tokens += k
-                c.num_accepted_tokens += a
+                accepted += a
                 if self.drafter is not None:
                     self.drafter.verified(r.request_id, base, a)
                 entries = range(i, i + a + 1)
@@ -461,17 +461,17 @@ class Engine:
                 st.token_ids.append(out.token_ids[i])
                 entries = range(i, i + 1)
                 i += 1
-            sampled_ids.append(r.request_id)
             sampled_tokens.append(st.token_ids[-1])
-            c.num_sampled_tokens += len(entries)
             spec = st.sampling
             if spec.logprobs or spec.top_logprobs:
                 for j in entries:
                     self._add_logprobs(
                         result, r.request_id, out, j, spec.logprobs, spec.top_logprobs
                     )
-        result.sampled_ids.extend(sampled_ids)
+        result.sampled_ids.extend(r.request_id for r in rows)
         result.sampled_token_ids.extend(sampled_tokens)
+        c.num_sampled_tokens += len(rows) + accepted
+        c.num_accepted_tokens += accepted
 
     @staticmethod
     def _add_logprobs(

@@ -88,8 +88,6 @@ class RequestSpeculation:
     mean_accepted: float  # running mean of accepted tokens per verification
     paused: int = 0  # steps left without proposals
     pause: int = 1  # the next pause's length (doubles while proposals keep failing)
-    verified: int = 0
-    accepted: int = 0
 
 
 class Speculator:
@@ -132,8 +130,6 @@ class Speculator:
         st = self.state.get(request_id)
         if st is None:
             st = self.state[request_id] = RequestSpeculation(float(self.config.num_tokens))
-        st.verified += proposed
-        st.accepted += accepted
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
