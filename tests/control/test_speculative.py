@@ -78,7 +78,9 @@ def _sched(num_blocks: int = 64, **spec: object) -> Scheduler:
     return Scheduler(
         num_blocks=num_blocks,
         block_size=BS,
-        max_model_len=256,
+        # As the compute plane reports it: never more than the pool holds (a request that
+        # outgrows the whole pool could never be re-admitted after preempting itself).
+        max_model_len=min(256, (num_blocks - 1) * BS),
         max_num_batched_tokens=64,
         speculator=Speculator(cfg),
     )
