@@ -138,6 +138,7 @@ class Engine:
             )
         )
         self.requests: dict[str, RequestState] = {}
+        self.failed_alone: dict[str, Failure] = {}  # failed, not yet in a step's finished_ids
         self.counters = pb.StatsResponse()
         # The served model's id, as the control plane's ModelInfo and metrics name it.
         self.metric_labels = {"model_name": model_display_name(loaded.path)}
@@ -273,6 +274,7 @@ class Engine:
         for state in self.requests.values():
             state.span.end(error="reset")
         self.requests.clear()
+        self.failed_alone.clear()
         if self.drafter is not None:
             self.drafter.reset()
         c = self.counters
@@ -309,8 +311,9 @@ class Engine:
         """Run one step. Raises StepRejected (no state changed) for a malformed step; a
         request with bad fields, or one that raises while the others compute, fails alone
         (`StepResult.failed`)."""
-        rows, failures = self.validator.validate(req, self.requests)
+        rows, failures = self.validator.validate(req, self.requests, self.failed_alone)
         for rid in req.finished_ids:
+            self.failed_alone.pop(rid, None)
             if (gone := self.requests.pop(rid, None)) is not None:
                 _log_request("request released", rid)
                 _end_span(gone)
@@ -327,7 +330,8 @@ class Engine:
             if n.traceparent:
                 self.requests[n.request_id].span = _start_span(n)
         for c in req.continuing:
-            self.requests[c.request_id].block_ids.extend(c.new_block_ids)
+            if (held := self.requests.get(c.request_id)) is not None:  # else failed before
+                held.block_ids.extend(c.new_block_ids)
         result = pb.StepResult(step_id=req.step_id)
         for f in failures:
             self._fail(f, result)
@@ -362,7 +366,13 @@ class Engine:
                 r.count += len(r.draft)
 
     def _fail(self, f: Failure, result: pb.StepResult) -> None:
-        """Fail one request alone: forget it and report it in the step's result."""
+        """Fail one request alone: forget it and report it in the step's result. It stays
+        failed until a step releases it (`failed_before` of StepValidator.validate): a
+        step planned before the control plane knew reports it again, uncounted."""
+        result.failed.add(request_id=f.request_id, code=f.code, message=f.message)
+        if f.request_id in self.failed_alone:
+            return
+        self.failed_alone[f.request_id] = f
         if (state := self.requests.pop(f.request_id, None)) is not None:
             state.span.end(error=f.message)
         request_id, choice = split_choice_id(f.request_id)
@@ -371,7 +381,6 @@ class Engine:
             *(f.code, f.message),
             extra={"request_id": request_id, "choice": choice},
         )
-        result.failed.add(request_id=f.request_id, code=f.code, message=f.message)
         self.counters.num_failed_requests += 1
         metrics.failed_requests.labels(code=f.code, **self.metric_labels).inc()
 

@@ -5,6 +5,7 @@ whose shape is wrong (unknown or repeated ids, too many tokens) is rejected whol
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,10 +84,17 @@ class StepValidator:
         self.limits = limits
 
     def validate(
-        self, req: pb.StepRequest, active: dict[str, RequestState]
+        self,
+        req: pb.StepRequest,
+        active: dict[str, RequestState],
+        failed_before: Mapping[str, Failure] | None = None,
     ) -> tuple[list[Planned], list[Failure]]:
         """(id, state, num tokens) per scheduled request, and the new requests whose fields
-        are bad (they fail alone); StepRejected naming the first fault of the step's shape."""
+        are bad (they fail alone); StepRejected naming the first fault of the step's shape.
+
+        `failed_before`: requests failed alone in an earlier step that the control plane
+        has not released yet. A step planned before it knew (async scheduling) may still
+        schedule one: it fails again (in the failures) instead of rejecting the step."""
         finished = set(req.finished_ids)
         seen: set[str] = set()
 
@@ -95,14 +103,18 @@ class StepValidator:
                 raise StepRejected(f"request {rid!r} appears twice in step {req.step_id}")
             seen.add(rid)
 
-        def held(rid: str) -> RequestState:
-            once(rid)
-            if rid not in active or rid in finished:
-                raise StepRejected(f"unknown request id {rid!r} (not active on this compute plane)")
-            return active[rid]
-
         rows: list[Planned] = []
         failures: list[Failure] = []
+
+        def held(rid: str) -> RequestState | None:
+            once(rid)
+            if rid in active and rid not in finished:
+                return active[rid]
+            if failed_before and rid in failed_before and rid not in finished:
+                failures.append(failed_before[rid])
+                return None
+            raise StepRejected(f"unknown request id {rid!r} (not active on this compute plane)")
+
         num_blocks: dict[str, int] = {}  # the page table's length once this step's ids land
         for n in req.new_requests:
             once(n.request_id)
@@ -116,13 +128,15 @@ class StepValidator:
             except StepRejected as e:
                 failures.append(Failure(n.request_id, e.code, str(e)))
         for c in req.continuing:
-            state = held(c.request_id)
+            if (state := held(c.request_id)) is None:
+                continue
             self._check_blocks(c.request_id, list(c.new_block_ids))
             nb = num_blocks[c.request_id] = len(state.block_ids) + len(c.new_block_ids)
             self._check_count(c.request_id, state, nb, c.num_scheduled_tokens)
             rows.append((c.request_id, state, c.num_scheduled_tokens))
         for rid in req.decode_ids:
-            state = held(rid)
+            if (state := held(rid)) is None:
+                continue
             self._check_count(rid, state, len(state.block_ids), 1)
             num_blocks[rid] = len(state.block_ids)
             rows.append((rid, state, 1))

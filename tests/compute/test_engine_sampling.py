@@ -9,6 +9,7 @@ import pytest
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine
 from compute_plane.loader import load_model
+from compute_plane.requests import StepRejected
 from control_plane.compute_client import sampled_tokens
 from hetero_proto import compute_pb2 as pb
 from tests.compute.step_driver import GREEDY, StepDriver
@@ -123,6 +124,38 @@ def test_a_request_that_raises_fails_alone(engine: Engine, monkeypatch: pytest.M
     # Alone in its step, a raising request is the engine's fault as far as it can tell.
     with pytest.raises(IndexError):
         engine.step(drv.step(new=[drv.new("bad", PROMPT, len(PROMPT))]))
+
+
+def test_a_failed_request_named_by_a_step_planned_ahead_fails_again(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async scheduling the control plane sends step k+1 before it learns that step k
+    failed a request alone: step k+1 still decodes it. That step runs (the request is
+    reported failed again, not counted twice); once a step releases it, naming it again
+    is a malformed step."""
+    engine.reset()
+    run = engine.runner.run
+
+    def run_raising(rows, capture_logits=False):  # type: ignore[no-untyped-def]
+        if any(r.request_id == "bad" for r in rows):
+            raise IndexError("index 1000000000 is out of bounds")
+        return run(rows, capture_logits)
+
+    monkeypatch.setattr(engine.runner, "run", run_raising)
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=5)
+    failed_before = engine.stats().num_failed_requests
+    res = engine.step(drv.step(new=[drv.new(r, PROMPT, len(PROMPT)) for r in ("good", "bad")]))
+    assert [f.request_id for f in res.failed] == ["bad"]
+    # Planned before the failure was known: "bad" decodes (and takes a block) again.
+    ahead = drv.step(cont=[drv.cont("good", 1), drv.cont("bad", 1)], pack_decodes=False)
+    res = engine.step(ahead)
+    assert [(f.request_id, f.code) for f in res.failed] == [("bad", "INTERNAL")]
+    assert list(res.sampled_ids) == ["good"]
+    assert engine.stats().num_failed_requests == failed_before + 1
+    res = engine.step(drv.step(cont=[drv.cont("good", 1)], finished=["bad"]))
+    assert not res.failed and list(res.sampled_ids) == ["good"]
+    with pytest.raises(StepRejected, match="unknown request id 'bad'"):
+        engine.step(drv.step(cont=[drv.cont("good", 1), drv.cont("bad", 1)]))
 
 
 def test_token_masks_constrain_one_request_and_bad_masks_fail_alone(engine: Engine) -> None:
