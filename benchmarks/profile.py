@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile                    # CPU, bundled model, 32 sequences
     python -m benchmarks.profile --concurrency 8 --compute-arg=--device=cuda
+    python -m benchmarks.profile --concurrency 1 --async-scheduling --out docs/perf/profile_async_1.json
 
 The compute plane runs as its own process (over gRPC, as deployed); the control plane's
 engine runs in this process so that its step loop can be timed. `--concurrency`
@@ -47,7 +48,11 @@ PHASES = [
 
 
 async def _run(
-    model: str, concurrency: int, output_len: int, compute_args: list[str]
+    model: str,
+    concurrency: int,
+    output_len: int,
+    compute_args: list[str],
+    async_scheduling: bool = False,
 ) -> list[dict[str, int]]:
     from control_plane.config import ControlConfig
     from control_plane.engine import ControlEngine
@@ -60,7 +65,8 @@ async def _run(
     args = ["--log-level", "WARNING", "compute-plane", "--model", model, "--port", str(port)]
     with child([*args, "--metrics-port", "-1", *compute_args], address):
         engine = ControlEngine(
-            ControlConfig(compute=address, model=model), load_tokenizer(Path(model))
+            ControlConfig(compute=address, model=model, async_scheduling=async_scheduling),
+            load_tokenizer(Path(model)),
         )
         await engine.start()
         await asyncio.wait_for(engine.attached.wait(), 120)
@@ -192,17 +198,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--compute-arg", action="append", default=[], help="extra compute-plane flag")
+    ap.add_argument(
+        "--async-scheduling", action="store_true", help="the control plane plans steps ahead"
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/profile.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/perf/profile_timeline.png"))
     args = ap.parse_args(argv)
     model = args.model or str(bundled_gguf())
-    timeline = asyncio.run(_run(model, args.concurrency, args.output_len, args.compute_arg))
+    timeline = asyncio.run(
+        _run(model, args.concurrency, args.output_len, args.compute_arg, args.async_scheduling)
+    )
     result = analyse(timeline, args.concurrency)
     report = {
         "machine": machine(),
         "model": Path(model).name,
         "concurrency": args.concurrency,
         "compute_args": args.compute_arg,
+        "async_scheduling": args.async_scheduling,
         "ms": result,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

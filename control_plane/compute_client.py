@@ -7,6 +7,7 @@ several can sit behind one control plane later.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -140,7 +141,7 @@ class InProcessLink:
     ) -> None:
         self._describe, self._answer, self._on_attach = describe, answer, on_attach
         self._wire = wire
-        self._sent: pb.StepRequest | None = None
+        self._sent: deque[pb.StepRequest] = deque()  # two with async scheduling
 
     async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse:
         if self._on_attach is not None:
@@ -151,15 +152,15 @@ class InProcessLink:
         return True
 
     async def send(self, request: pb.StepRequest) -> None:
-        self._sent = (
+        self._sent.append(
             pb.StepRequest.FromString(request.SerializeToString()) if self._wire else request
         )
 
     async def receive(self) -> pb.StepResult:
-        """Runs the step sent last (a call in this process: nothing overlaps it)."""
-        request, self._sent = self._sent, None
-        if request is None:
+        """Runs the oldest step sent (a call in this process: nothing overlaps it)."""
+        if not self._sent:
             raise RuntimeError("receive() before send()")
+        request = self._sent.popleft()
         result = self._answer(request)
         return pb.StepResult.FromString(result.SerializeToString()) if self._wire else result
 

@@ -56,6 +56,15 @@ class ControlConfig(GrpcServerConfig):
             "N > 1 cuts the per-token cost of streaming at high concurrency"
         },
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "plan and send each step before the previous one's result arrives, so the "
+            "compute plane never waits for the control plane (EOS and max_tokens then end a "
+            "request one step late; its extra token is dropped). Steps with grammar masks or "
+            "speculative proposals are still planned one at a time"
+        },
+    )
     speculative: str | None = field(
         default=None,
         metadata={

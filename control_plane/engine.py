@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable
 
 from control_plane import metrics
@@ -66,6 +67,8 @@ class _LoopMetrics:
 
     def __init__(self, labels: dict[str, str]) -> None:
         self.generation_tokens = metrics.generation_tokens.labels(**labels)
+        self.steps = metrics.steps.labels(planned_ahead="false", **labels)
+        self.steps_ahead = metrics.steps.labels(planned_ahead="true", **labels)
         self.ttft = metrics.ttft.labels(**labels)
         self.itl = metrics.itl.labels(**labels)
         self.running = metrics.requests_running.labels(**labels)
@@ -127,7 +130,9 @@ class ControlEngine:
         # Requests kept across a compute-plane failure, in re-admission order, with the
         # request whose prompt blocks they fork (n > 1) or None.
         self._parked: list[tuple[Request, Request | None]] = []
-        self._in_flight: SchedulerOutput | None = None  # the step sent, until its result
+        # The steps sent whose results are not back, oldest first: one, or two with async
+        # scheduling (the next one planned while the compute plane runs the first).
+        self._in_flight: deque[SchedulerOutput] = deque()
         # Requests in flight when the compute plane failed, until a step of theirs runs,
         # with how many failures in a row they saw. They go back one at a time: the others
         # wait in `_held` until the one on trial has run a step (or ended), so a request
@@ -364,17 +369,29 @@ class ControlEngine:
         responses (detokenising, stop strings): output processing overlaps the compute
         plane's step instead of delaying the next one, as in vLLM's async output
         processing. A stop string found there ends its request one step late: that
-        step's token for it is dropped, never sent or counted."""
+        step's token for it is dropped, never sent or counted.
+
+        With async scheduling the next step is planned and sent before the result of the
+        one in flight (Scheduler.advance / resolve): the compute plane finds it queued when
+        it finishes a step, so it never waits for the control plane's round trip. EOS and
+        max_tokens then also end a request a step late (that step's token is dropped).
+        Steps that need the previous step's tokens (grammar masks, speculative proposals)
+        are planned with nothing in flight."""
         sched = self.scheduler
         assert sched is not None
+        in_flight = self._in_flight
         # Sampled (and accepted proposals), not yet emitted.
         ready: tuple[cpb.StepResult, dict[str, int], dict[str, list[int]] | None] | None = None
+        marks: deque[tuple[int, int, int, int, int]] = deque()  # timeline, per step in flight
         while True:
             out = None
             t_sched = time.time_ns()
-            if not self._lost and sched.has_work:
-                out = sched.schedule(admit=not self._compute_draining)
-            if out is None or out.empty:
+            lookahead = bool(in_flight)
+            if not self._lost and sched.has_work and (not lookahead or self._may_look_ahead(sched)):
+                out = sched.schedule(admit=not self._compute_draining, lookahead=lookahead)
+                if out.empty:
+                    out = None
+            if out is None and not in_flight:
                 if ready is not None:  # no step to overlap with: emit now, then look again
                     self._emit(*ready)
                     ready = None
@@ -386,47 +403,64 @@ class ControlEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self._step_id += 1
-            t_scheduled = time.time_ns()
-            step = self._to_step(out)
-            t_encoded = time.time_ns()
-            self._in_flight = out
-            try:
-                await self.client.send(step)
-            finally:
-                t_sent = time.time_ns()
-                if ready is not None:
-                    self._emit(*ready)
-                    ready = None
+            t_scheduled = t_encoded = t_sent = 0
+            if out is not None:
+                self._step_id += 1
+                t_scheduled = time.time_ns()
+                step = self._to_step(out)
+                t_encoded = time.time_ns()
+                (self._loop_metrics.steps_ahead if lookahead else self._loop_metrics.steps).inc()
+                in_flight.append(out)
+                try:
+                    await self.client.send(step)
+                finally:
+                    t_sent = time.time_ns()
+                    if ready is not None:  # emitted even when the link fails: kept tokens
+                        self._emit(*ready)
+                        ready = None
+                if self.config.async_scheduling:
+                    sched.advance(out)
+            if ready is not None:
+                self._emit(*ready)
+                ready = None
             t_emitted = time.time_ns()
+            if out is not None:
+                marks.append((t_sched, t_scheduled, t_encoded, t_sent, t_emitted))
+                if len(in_flight) == 1 and self._may_look_ahead(sched):
+                    continue  # plan the next step while this one runs
             result = await self.client.receive()
             t_result = time.time_ns()
-            self._in_flight = None
+            done = in_flight.popleft()
             if self._suspects:
-                self._clear_suspects(out)
+                self._clear_suspects(done)
             if result.failed:
                 self._fail_requests(result.failed)
             if result.draining and not self._compute_draining:
                 log.info("the compute plane is draining: new requests wait for the next one")
                 self._compute_draining = True
             sampled = sampled_tokens(result)
-            accepted = self._accepted(sched, result) if result.accepted else None
-            sched.update(out, sampled, accepted)
+            accepted = None
+            if self.config.async_scheduling:
+                sched.resolve(done, sampled)
+            else:
+                accepted = self._accepted(sched, result) if result.accepted else None
+                sched.update(done, sampled, accepted)
             if self._constrained:
                 self._advance_grammars(sched, sampled)
             ready = result, sampled, accepted
             self._observe_pool()
-            if self.timeline is not None:
+            if self.timeline is not None and marks:
+                t0, t1, t2, t3, t4 = marks.popleft()
                 self.timeline.append(
                     {
-                        "step_id": self._step_id,
+                        "step_id": result.step_id,
                         "num_seqs": result.num_seqs,
                         "num_tokens": result.num_tokens,
-                        "schedule_start": t_sched,
-                        "scheduled": t_scheduled,
-                        "encoded": t_encoded,
-                        "sent": t_sent,
-                        "emitted": t_emitted,  # the previous step's outputs, while this runs
+                        "schedule_start": t0,
+                        "scheduled": t1,
+                        "encoded": t2,
+                        "sent": t3,
+                        "emitted": t4,  # the previous step's outputs, while this runs
                         "result": t_result,
                         "updated": time.time_ns(),
                         "compute_received": result.received_unix_ns,
@@ -436,6 +470,17 @@ class ControlEngine:
                         "sample_ns": result.sample_ns,
                     }
                 )
+
+    def _may_look_ahead(self, sched: Scheduler) -> bool:
+        """Whether the next step may be planned before the result of the one in flight:
+        async scheduling is on, no lookahead step left a request short of blocks, and no
+        request needs the tokens in flight to be planned (grammar masks, proposals)."""
+        return (
+            self.config.async_scheduling
+            and not sched.needs_sync
+            and sched.speculator is None
+            and not self._constrained
+        )
 
     def _accepted(self, sched: Scheduler, result: cpb.StepResult) -> dict[str, list[int]]:
         """Each verifying request's accepted proposals; the speculator and metrics see them."""
@@ -508,10 +553,10 @@ class ControlEngine:
     def _quarantine(self) -> None:
         """The compute plane failed with a step in flight: its requests are suspects; one
         that was in flight MAX_COMPUTE_FAILURES times in a row is failed, not re-sent."""
-        out, self._in_flight = self._in_flight, None
-        if out is None:
-            return
-        for req, _ in out.scheduled():
+        # Each request once per failure, whichever of the steps in flight hold it.
+        reqs = {req: None for out in self._in_flight for req, _ in out.scheduled()}
+        self._in_flight.clear()
+        for req in reqs:
             rid = req.request_id
             count = self._suspects[rid] = self._suspects.get(rid, 0) + 1
             if count >= MAX_COMPUTE_FAILURES and (entry := self.choices.get(rid)) is not None:
@@ -655,6 +700,7 @@ class ControlEngine:
         for parent_id, siblings in sched.pending_forks.items():
             parked += [(s, sched.requests[parent_id]) for s in siblings]
         for req, _ in parked:
+            req.drop_pending()  # the steps in flight are lost: their tokens never came
             req.num_computed_tokens = 0
             req.sent_to_compute = False
             req.status = Status.WAITING

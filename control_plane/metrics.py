@@ -85,6 +85,12 @@ spec_accepted_per_pos = Counter(
     "Accepted proposals by their position in the proposal (0 = first)",
     (*L, "position"),
 )
+steps = Counter(
+    "hetero_steps",
+    "Steps sent to the compute plane; planned_ahead=true: planned while the previous step "
+    "ran (async scheduling)",
+    (*L, "planned_ahead"),
+)
 compute_attached = Gauge("hetero_compute_attached", "1 while a compute plane is attached", L)
 
 

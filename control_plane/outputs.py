@@ -145,7 +145,7 @@ class GenerateStream:
             if matched is not None:
                 sent = i + 1
                 if i < last:
-                    del req.token_ids[i - last :]  # sampled after the stop string: never sent
+                    req.drop_last(last - i)  # sampled after the stop string: never sent
                 break
         return text, sent, matched
 

@@ -6,6 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+# Async scheduling: the token a request samples in a step still in flight. The compute
+# plane holds the real one (it decodes it next without being told); the control plane
+# writes it over this when the step's result arrives.
+PENDING_TOKEN = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -48,6 +53,9 @@ class Request:
     traceparent: str = ""  # the control plane's span of its stream, for the compute plane's
     grammar: Any = None  # control_plane.grammar.GrammarState of a constrained request
     skip_prefix_cache: bool = False  # compute the whole prompt (prompt logprobs)
+    # Async scheduling: trailing PENDING_TOKENs in token_ids, one per step in flight that
+    # samples for it (0 when nothing is in flight).
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -63,6 +71,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def drop_pending(self) -> None:
+        """Forget the tokens of steps in flight (the request ended or lost its compute plane)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending :]
+            self.num_pending = 0
+
+    def drop_last(self, n: int) -> None:
+        """Remove the last `n` known tokens (sampled after a stop string), not the pending."""
+        end = len(self.token_ids) - self.num_pending
+        del self.token_ids[end - n : end]
 
     @property
     def num_output_tokens(self) -> int:

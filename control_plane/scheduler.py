@@ -10,6 +10,15 @@ of the waiting queue with its generated tokens kept, and is later re-sent in ful
 
 The output is a diff for the compute plane: requests it does not hold are sent in
 full, the others as appended block ids and a token count.
+
+Async scheduling plans step k+1 while step k runs: `advance(k)` counts step k's tokens
+as computed and gives each request that samples in it a PENDING_TOKEN (the compute plane
+decodes the real one next without being told), `schedule(lookahead=True)` plans over
+that, and `resolve(k)` writes the sampled tokens over the placeholders when the result
+arrives, ending requests there (EOS, max_tokens); a token a request samples in a step
+planned before it ended is dropped. A lookahead step preempts nothing and proposes
+nothing: a request that needs a block the pool cannot give waits, and `needs_sync` asks
+for the next step to be planned with nothing in flight.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from control_plane.block_manager import BlockManager, KVCacheStats
-from control_plane.request import Request, Status
+from control_plane.request import PENDING_TOKEN, Request, Status
 from control_plane.speculative import Speculator
 
 
@@ -115,6 +124,7 @@ class Scheduler:
         self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         self.speculator = speculator
+        self.needs_sync = False  # a lookahead step left a request waiting for blocks
 
     # ------------------------------------------------------------------ intake
     def check_admission(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -162,6 +172,7 @@ class Scheduler:
             for waiting_siblings in self.pending_forks.values():
                 if req in waiting_siblings:
                     waiting_siblings.remove(req)
+        req.drop_pending()  # the steps in flight sample for it in vain
         self._release(req)
         req.status = status
         return req
@@ -179,11 +190,16 @@ class Scheduler:
         )
 
     # ---------------------------------------------------------------- schedule
-    def schedule(self, admit: bool = True) -> SchedulerOutput:
-        """Plan one step. With `admit` False, running requests go on but none starts."""
+    def schedule(self, admit: bool = True, lookahead: bool = False) -> SchedulerOutput:
+        """Plan one step. With `admit` False, running requests go on but none starts.
+        With `lookahead`, a step is in flight (async scheduling, `advance`)."""
         out = SchedulerOutput()
         planned: dict[Request, tuple[list[int], int]] = {}
-        budget, preempted = self._schedule_running(out, planned, self.max_num_batched_tokens)
+        if not lookahead:
+            self.needs_sync = False
+        budget, preempted = self._schedule_running(
+            out, planned, self.max_num_batched_tokens, lookahead
+        )
         # No admissions in a step that had to preempt: the pool is under pressure.
         if admit and not preempted:
             budget = self._admit_waiting(planned, budget)
@@ -199,15 +215,23 @@ class Scheduler:
         return out
 
     def _schedule_running(
-        self, out: SchedulerOutput, planned: dict[Request, tuple[list[int], int]], budget: int
+        self,
+        out: SchedulerOutput,
+        planned: dict[Request, tuple[list[int], int]],
+        budget: int,
+        lookahead: bool = False,
     ) -> tuple[int, bool]:
         """Decodes first, then prefill chunks; preempt from the back when the pool is
-        short. Returns the budget left and whether anything was preempted."""
+        short (not in a lookahead step). Returns the budget left and whether anything
+        was preempted."""
         preempted = False
         decodes: list[Request] = []
         prefills: list[Request] = []
+        max_model_len = self.max_model_len
         for r in self.running:
             left = len(r.token_ids) - r.num_computed_tokens
+            if r.num_pending and len(r.token_ids) >= min(r.max_num_tokens, max_model_len):
+                continue  # its pending token is its last (max_tokens): nothing to plan
             if left == 1:
                 decodes.append(r)
             elif left > 1:
@@ -217,7 +241,7 @@ class Scheduler:
         in_blocks = out.decodes
         running = Status.RUNNING
         spec = self.speculator
-        if spec is not None and not spec.active(len(decodes)):
+        if lookahead or (spec is not None and not spec.active(len(decodes))):
             spec = None
         for req in decodes + prefills:
             if budget == 0:
@@ -242,6 +266,13 @@ class Scheduler:
                 budget -= 1
                 continue
             n = min(n, budget)
+            if lookahead:  # no preemption with a step in flight: the request waits
+                if (new_ids := allocate(req, n)) is None:
+                    self.needs_sync = True
+                else:
+                    planned[req] = (new_ids, n)
+                    budget -= n
+                continue
             while (new_ids := allocate(req, n)) is None:
                 victim = self.running[-1]
                 if victim in planned:
@@ -357,6 +388,66 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def advance(self, out: SchedulerOutput) -> None:
+        """Async scheduling: step `out` is sent and its result not back. Count its tokens
+        as computed; each request that samples in it gets a PENDING_TOKEN (`resolve`
+        writes the real one). Nothing is cached or ended here: the tokens are unknown."""
+        running = Status.RUNNING
+        for req, n in out.scheduled():
+            if req.status is not running:
+                continue
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == len(req.token_ids):  # it samples in this step
+                req.token_ids.append(PENDING_TOKEN)
+                req.num_pending += 1
+
+    def resolve(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Async scheduling: the result of step `out` (which `advance` counted) arrived.
+        Its sampled tokens replace the oldest placeholders; EOS, stop tokens, max_tokens
+        and max_model_len end requests here, dropping what later steps sample for them.
+        Full blocks of known tokens are indexed for the prefix cache; siblings fork.
+        Returns the requests ended."""
+        finished = []
+        cache_computed = self.block_manager.cache_computed
+        release = self.block_manager.release_outside_window
+        window = self.block_manager.window
+        forks = self.pending_forks
+        running = Status.RUNNING
+        max_model_len = self.max_model_len
+        for req, _ in out.scheduled():
+            rid = req.request_id
+            if req.status is not running:
+                sampled.pop(rid, None)  # ended while the step ran: its token is dropped
+                continue
+            token = sampled.get(rid)
+            tokens = req.token_ids
+            if token is not None:
+                pending = req.num_pending
+                if not pending:  # sampled where advance saw no sample: a broken step
+                    raise ValueError(f"a token for {rid!r}, which had nothing to sample")
+                # The oldest placeholder is this token's; the check sees the tokens up to it.
+                del tokens[len(tokens) - pending :]
+                tokens.append(token)
+                req.num_pending = 0
+                if (
+                    token in req.stop_ids
+                    or len(tokens) >= req.max_num_tokens
+                    or len(tokens) >= max_model_len
+                ) and (status := req.stop_check(token, max_model_len)) is not None:
+                    self.finish(rid, status)
+                    finished.append(req)
+                    continue
+                tokens.extend([PENDING_TOKEN] * (pending - 1))
+                req.num_pending = pending - 1
+            # Positions up to num_computed_tokens hold known tokens now: the placeholder
+            # of a step still in flight sits after them.
+            cache_computed(req)
+            if window:
+                release(req)
+            if forks and rid in forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._fork_siblings(req)
+        return finished
+
     # ---------------------------------------------------------------- helpers
     def _take_accepted(
         self,
@@ -388,6 +479,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(siblings))
 
     def _preempt(self, req: Request) -> None:
+        assert not req.num_pending, "preempting a request with a step in flight"
         self.running.remove(req)
         self._release(req)
         req.status = Status.WAITING

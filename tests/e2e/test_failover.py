@@ -26,7 +26,10 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(100, 49000) for _ in range(n)] for n in (5, 40, 12, 90, 3, 60, 25, 8)]
 
 
-def test_streams_survive_a_compute_plane_crash() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_streams_survive_a_compute_plane_crash(async_scheduling: bool) -> None:
+    """With async scheduling two steps are in flight when the compute plane dies: the
+    tokens they would have sampled are forgotten, and the requests resume from the rest."""
     kport, cport = free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
     compute_cmd = [
@@ -46,6 +49,7 @@ def test_streams_survive_a_compute_plane_crash() -> None:
         compute,
         "--metrics-port",
         "0",
+        *(["--async-scheduling"] if async_scheduling else []),
     ]
     with (
         child(compute_cmd, compute) as kproc,

@@ -5,7 +5,7 @@ enough that requests are preempted."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -61,7 +61,11 @@ def compute() -> Iterator[str]:
         yield address
 
 
-def _run(compute: str, *control_args: str) -> tuple[list[Any], pb.EngineStats]:
+def _run(
+    compute: str, *control_args: str, on_done: Callable[[], object] | None = None
+) -> tuple[list[Any], pb.EngineStats]:
+    """The 40 prompts, 8 at a time, through a control plane (with `control_args`) and a
+    gateway on `compute`; `on_done` runs while the stack is still up."""
     port = free_port()
     control = f"127.0.0.1:{port}"
     args = ["control-plane", "--port", str(port), "--compute", compute, "--metrics-port", "-1"]
@@ -87,6 +91,8 @@ def _run(compute: str, *control_args: str) -> tuple[list[Any], pb.EngineStats]:
             results = list(ex.map(one, range(len(PROMPTS))))
         with grpc.insecure_channel(control) as ch:
             info = pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest(), timeout=10)
+        if on_done is not None:
+            on_done()
         return results, info.stats
 
 

@@ -1,0 +1,248 @@
+"""Async scheduling in the scheduler: step k+1 planned before step k's result (advance /
+schedule(lookahead=True) / resolve) gives every request the tokens that planning one step
+at a time gives, under preemption, stop tokens, max_tokens and stop strings.
+
+The compute plane is simulated here (a unit test of the scheduler): it keeps each
+request's tokens as the real one does, appends what it samples, and samples a token that
+is a fixed function of the tokens so far, so both schedules must produce the same text.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from control_plane.request import PENDING_TOKEN, Request, Status
+from control_plane.scheduler import Scheduler, SchedulerOutput
+
+BS = 4
+EOS = 0
+STOP_STRING_TOKEN = 7  # ends a request as a stop string does: after the step's result
+VOCAB = 12
+
+
+def _next_token(tokens: list[int], salt: int) -> int:
+    h = salt
+    for t in tokens[-3:]:
+        h = (h * 31 + t + 1) % 1_000_003
+    return h % VOCAB
+
+
+@dataclass
+class _Step:
+    """What the compute plane gets: copied when sent (the scheduler's lists move on)."""
+
+    finished_ids: list[str]
+    new: list[tuple[str, list[int], int, int]]  # id, token ids, computed, scheduled
+    scheduled: list[tuple[str, int]]
+
+
+def _snapshot(out: SchedulerOutput) -> _Step:
+    new = [
+        (
+            s.request.request_id,
+            list(s.request.token_ids),
+            s.num_computed_tokens,
+            s.num_scheduled_tokens,
+        )
+        for s in out.new
+    ]
+    for _, ids, _, _ in new:
+        assert PENDING_TOKEN not in ids, "a placeholder was sent as a token"
+    cont = [(r.request_id, 1) for r in out.decodes]
+    cont += [(c.request.request_id, c.num_scheduled_tokens) for c in out.continuing]
+    return _Step(list(out.finished_ids), new, cont)
+
+
+class _ComputePlane:
+    def __init__(self, salt: int) -> None:
+        self.salt = salt
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def run(self, step: _Step) -> dict[str, int]:
+        for rid in step.finished_ids:
+            self.tokens.pop(rid, None)
+            self.computed.pop(rid, None)
+        work = []
+        for rid, ids, computed, n in step.new:
+            assert rid not in self.tokens, f"{rid} sent in full while held"
+            self.tokens[rid], self.computed[rid] = ids, computed
+            work.append((rid, n))
+        sampled = {}
+        for rid, n in work + step.scheduled:
+            toks = self.tokens[rid]
+            self.computed[rid] += n
+            assert self.computed[rid] <= len(toks), f"{rid}: positions past its tokens"
+            if self.computed[rid] == len(toks):
+                sampled[rid] = tok = _next_token(toks, self.salt)
+                toks.append(tok)
+        return sampled
+
+
+def _requests(rng: random.Random, n: int) -> list[Request]:
+    reqs = []
+    for i in range(n):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
+        reqs.append(Request(f"r{i}", prompt, rng.randrange(1, 20), eos_token_ids=frozenset({EOS})))
+    return reqs
+
+
+def _scheduler(num_blocks: int) -> Scheduler:
+    return Scheduler(
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_model_len=(num_blocks - 1) * BS,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+    )
+
+
+def _stop_strings(sched: Scheduler, sampled: dict[str, int]) -> None:
+    """The output processor's part: a stop string in a result ends its request then."""
+    for rid, token in sampled.items():
+        req = sched.requests.get(rid)
+        if token == STOP_STRING_TOKEN and req is not None and req.status is Status.RUNNING:
+            sched.finish(rid, Status.FINISHED_STOPPED)
+
+
+def _run_sync(reqs: list[Request], num_blocks: int, salt: int) -> Scheduler:
+    sched = _scheduler(num_blocks)
+    cp = _ComputePlane(salt)
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(2000):
+        if not sched.has_work:
+            break
+        out = sched.schedule()
+        sampled = cp.run(_snapshot(out))
+        sched.update(out, sampled)
+        _stop_strings(sched, sampled)
+    return sched
+
+
+def _run_async(reqs: list[Request], num_blocks: int, salt: int) -> tuple[Scheduler, int]:
+    sched = _scheduler(num_blocks)
+    cp = _ComputePlane(salt)
+    for r in reqs:
+        sched.add_request(r)
+    in_flight: deque[tuple[SchedulerOutput, _Step]] = deque()
+    overlapped = 0
+    for _ in range(4000):
+        if not (sched.has_work or in_flight):
+            break
+        if not in_flight or (len(in_flight) == 1 and not sched.needs_sync):
+            out = sched.schedule(lookahead=bool(in_flight))
+            if not out.empty:
+                overlapped += bool(in_flight)
+                in_flight.append((out, _snapshot(out)))
+                sched.advance(out)
+                if len(in_flight) == 1:
+                    continue  # plan the next one before this one's result
+        assert in_flight, "work left, nothing planned and nothing in flight"
+        done, step = in_flight.popleft()
+        sampled = cp.run(step)
+        sched.resolve(done, sampled)
+        _stop_strings(sched, sampled)
+        for r in sched.running:
+            assert r.token_ids.count(PENDING_TOKEN) == r.num_pending <= len(in_flight)
+    return sched, overlapped
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32), st.integers(5, 40))
+def test_async_schedule_gives_the_tokens_of_the_sync_one(seed: int, num_blocks: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randrange(1, 8)
+    salt = rng.randrange(1000)
+    sync_reqs, async_reqs = _requests(random.Random(seed), n), _requests(random.Random(seed), n)
+    _run_sync(sync_reqs, num_blocks, salt)
+    sched, _ = _run_async(async_reqs, num_blocks, salt)
+    assert not sched.has_work
+    for a, b in zip(sync_reqs, async_reqs, strict=True):
+        assert b.status.finished and b.num_pending == 0
+        assert PENDING_TOKEN not in b.token_ids
+        assert (b.output_token_ids, b.status) == (a.output_token_ids, a.status), a.request_id
+    sched.block_manager.check_integrity()
+    assert sched.block_manager.num_free_blocks == num_blocks - 1
+
+
+def test_steps_overlap_and_preemption_still_happens() -> None:
+    """A tight pool: lookahead steps leave requests short of blocks (needs_sync), the
+    next planned step preempts; most steps are still planned with one in flight."""
+    reqs, sync_reqs = _requests(random.Random(3), 7), _requests(random.Random(3), 7)
+    sync = _run_sync(sync_reqs, 9, salt=5)
+    sched, overlapped = _run_async(reqs, 9, salt=5)
+    assert sync.num_preemptions > 0 and sched.num_preemptions > 0
+    assert overlapped > 10
+    assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in sync_reqs]
+
+
+def test_eos_in_flight_drops_the_next_steps_token() -> None:
+    """A request that samples EOS in step k was planned into step k+1 already: the token
+    step k+1 samples for it is dropped and never reaches it or its stream."""
+    sched = _scheduler(16)
+    req = Request("a", [1, 2, 3], 10, eos_token_ids=frozenset({EOS}))
+    sched.add_request(req)
+    out1 = sched.schedule()
+    sched.advance(out1)  # prefill: samples a token (pending)
+    assert req.token_ids == [1, 2, 3, PENDING_TOKEN] and req.num_pending == 1
+    out2 = sched.schedule(lookahead=True)
+    assert out2.decodes == [req]  # decodes the pending token (the compute plane has it)
+    sched.advance(out2)
+    assert req.token_ids == [1, 2, 3, PENDING_TOKEN, PENDING_TOKEN]
+    assert sched.resolve(out1, {"a": EOS}) == [req]
+    assert req.status is Status.FINISHED_STOPPED and req.token_ids == [1, 2, 3, EOS]
+    sampled = {"a": 5}
+    assert sched.resolve(out2, sampled) == [] and sampled == {}  # the overshoot: dropped
+    assert sched.schedule().finished_ids == ["a"]
+    sched.block_manager.check_integrity()
+
+
+def test_max_tokens_reached_by_a_pending_token_is_not_planned_again() -> None:
+    sched = _scheduler(16)
+    req = Request("a", [1, 2], 2, eos_token_ids=frozenset({EOS}))
+    sched.add_request(req)
+    out1 = sched.schedule()
+    sched.advance(out1)
+    out2 = sched.schedule(lookahead=True)
+    sched.advance(out2)  # the second (last) token is pending now
+    assert req.num_pending == 2
+    assert sched.schedule(lookahead=True).empty  # nothing left to plan for it
+    sched.resolve(out1, {"a": 4})
+    assert sched.resolve(out2, {"a": 5}) == [req]
+    assert req.output_token_ids == [4, 5] and req.status is Status.FINISHED_LENGTH
+
+
+@pytest.mark.parametrize("where", ["abort", "stop_string"])
+def test_ending_a_request_with_steps_in_flight_forgets_their_tokens(where: str) -> None:
+    sched = _scheduler(16)
+    req = Request("a", [1, 2, 3], 10, eos_token_ids=frozenset({EOS}))
+    sched.add_request(req)
+    out1 = sched.schedule()
+    sched.advance(out1)
+    sched.resolve(out1, {"a": 4})
+    out2 = sched.schedule()
+    sched.advance(out2)
+    out3 = sched.schedule(lookahead=True)
+    sched.advance(out3)
+    assert req.token_ids == [1, 2, 3, 4, PENDING_TOKEN, PENDING_TOKEN]
+    if where == "stop_string":
+        req.drop_last(1)  # the output processor cuts the token after a stop string
+        assert req.token_ids == [1, 2, 3, PENDING_TOKEN, PENDING_TOKEN]
+        sched.finish("a", Status.FINISHED_STOPPED)
+    else:
+        sched.abort("a")
+    assert req.token_ids == ([1, 2, 3] if where == "stop_string" else [1, 2, 3, 4])
+    assert req.num_pending == 0
+    s2, s3 = {"a": 5}, {"a": 6}
+    sched.resolve(out2, s2)
+    sched.resolve(out3, s3)
+    assert s2 == s3 == {}
+    sched.block_manager.check_integrity()
+    assert sched.block_manager.num_free_blocks == 15
