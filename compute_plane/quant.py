@@ -29,7 +29,7 @@ from compute_plane.native import KernelUnavailable, load_library
 log = logging.getLogger(__name__)
 
 GROUP = 32
-MAX_KERNEL_ROWS = 64  # above this many rows (prefill), dequantize + dense GEMM is faster
+MAX_KERNEL_ROWS = 128  # above this many rows (prefill), dequantize + dense GEMM is faster
 QUANTIZATIONS = ("auto", "none", "int8")
 # How the decode kernels multiply activations by quantized weights (csrc/quant_linear_cpu.c):
 # int16: x rounded to int16 per group of 32, integer multiply-adds; fp32: exact.

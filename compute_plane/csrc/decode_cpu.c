@@ -14,7 +14,7 @@
  * paged_attention_cpu.c (both included: one library, their OpenMP loops on torch's
  * libgomp pool). Arithmetic is fp32 in the same order of operations as model.py, so
  * the result is the torch forward's to rounding. The small elementwise work runs on
- * the calling thread: at M <= 64 rows it is microseconds.
+ * the calling thread: at M <= 128 rows it is microseconds.
  *
  * Returns 0; 1 for a shape the linears do not take (M > MAX_ROWS, K % 32); 2 when out
  * of memory.

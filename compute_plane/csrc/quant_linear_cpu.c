@@ -47,7 +47,7 @@
 
 #define G 32
 #define CHUNK 16    /* rows of x one pass over a weight row serves (accumulators) */
-#define MAX_ROWS 64 /* quant.py dequantizes + GEMMs above this */
+#define MAX_ROWS 128 /* quant.py dequantizes + GEMMs above this */
 
 /* BLOCK(MB) over rows m of x in blocks of 4, then the 1-3 left: MB a constant in every
  * call, so each inlined block keeps its accumulators in registers. */

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
-from compute_plane.quant import QuantWeight, cat, from_gguf, prepare, quantize_q8
+from compute_plane.quant import MAX_KERNEL_ROWS, QuantWeight, cat, from_gguf, prepare, quantize_q8
 
 RNG = np.random.default_rng(0)
 
@@ -70,9 +70,9 @@ def _int16_bound(q: QuantWeight, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("activations", ["fp32", "int16"])
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 64, 65])
+@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17, 40, 128, 129])
 def test_linear_matches_the_dense_weight(kind: str, rows: int, activations: str) -> None:
-    """The C kernel (up to 64 rows) and dequantize + GEMM (more) against x @ w.T + b:
+    """The C kernel (up to MAX_KERNEL_ROWS = 128 rows) and dequantize + GEMM (more) against x @ w.T + b:
     exact to fp32 rounding, or (int16 activations, any number of rows) within the bound
     of their rounding."""
     n, k = 72, 320
@@ -101,7 +101,7 @@ def test_linear_matches_the_dense_weight(kind: str, rows: int, activations: str)
 
 
 def _batch_independent(q: QuantWeight, bias: torch.Tensor) -> None:
-    """A row's result does not depend on its batch: alone (the kernel) and among 65 rows
+    """A row's result does not depend on its batch: alone (the kernel) and among 129 rows
     (dequantize + GEMM) it is rounded the same. A row of 0.01s with one 1000 per group
     makes the rounding visible: int16 steps of 1000 / 32767 take every 0.01 to 0, moving
     outputs by ~0.1-1, while fp32 summation moves them by ~1e-3 at most."""
@@ -109,7 +109,7 @@ def _batch_independent(q: QuantWeight, bias: torch.Tensor) -> None:
     x = torch.full((1, k), 0.01)
     x[0, ::32] = 1000.0
     alone = q.linear(x, bias, "int16")[0]
-    many = q.linear(torch.cat([x, torch.randn(64, k)]), bias, "int16")[0]
+    many = q.linear(torch.cat([x, torch.randn(MAX_KERNEL_ROWS, k)]), bias, "int16")[0]
     assert (many - alone).abs().max() < 1e-2
 
 
