@@ -4,7 +4,8 @@ through the OpenAI API of a three-process stack (bundled model, CPU), greedy.
     python -m benchmarks.speculative            # writes docs/perf/speculative.json
 
 1. Batch 1: prompts whose answers repeat their input (repeat, edit code, extract, rewrite),
-   one request at a time, for: no speculation; n-gram (k = 4, adaptive); the model drafting
+   one request at a time, for: no speculation and n-gram (k = 4, adaptive), alternated over
+   ROUNDS rounds on two stacks (the ratio of their totals, and each round's); the model drafting
    for itself (acceptance ~100%: shows what drafting costs); a smaller draft (the bundled
    model's first DRAFT_LAYERS layers, cut from its GGUF: same vocabulary, a fraction of the
    weights). Output tokens/s of each and its ratio to no speculation; acceptance from the
@@ -45,6 +46,7 @@ from hetero_proto import control_pb2_grpc as pb_grpc
 K = 4
 DRAFT_LAYERS = 8
 MAX_TOKENS = 128
+ROUNDS = 3  # alternated off / n-gram passes at batch 1
 
 CODE = """def load_users(path):
     users = []
@@ -215,11 +217,68 @@ def _stacks(
         yield out
 
 
+def _pass(url: str, served: str, prompts: list[str]) -> tuple[float, int, float]:
+    """The prompts one at a time (batch 1): seconds, output tokens, decode seconds."""
+    seconds, tokens, decode = 0.0, 0, 0.0
+    for p in prompts:
+        s, n, d = asyncio.run(_streamed(url, served, [p], MAX_TOKENS))
+        seconds, tokens, decode = seconds + s, tokens + n, decode + d
+    return seconds, tokens, decode
+
+
+def _row(name: str, seconds: float, tokens: int, decode: float, n: int) -> dict[str, Any]:
+    return {
+        "config": name,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "output_tok_s": round(tokens / seconds, 1),
+        # After each first token (no prompt): tokens per second of decoding.
+        "decode_tok_s": round((tokens - n) / decode, 1),
+        # Until each first token (prompt, queueing, the hops), summed: what speculation
+        # cannot shorten.
+        "first_token_seconds": round(seconds - decode, 2),
+    }
+
+
 def batch_one(model: str, draft: Path, quick: bool) -> list[dict[str, Any]]:
     spec = ("--num-speculative-tokens", str(K))
-    configs: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    prompts = PROMPTS[:2] if quick else PROMPTS
+    rounds = 1 if quick else ROUNDS
+    rows: list[dict[str, Any]] = []
+    # No speculation vs n-gram (the target): both stacks up, alternated over rounds in
+    # turn-about order, one busy at a time (a second's pause between): the machine's
+    # drift, which moved one-after-the-other runs by 10-20 %, hits both alike.
+    pair: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
         ("off", (), ()),
         ("ngram", ("--speculative", "ngram", *spec), ()),
+    ]
+    totals: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name, _, _ in pair}
+    per_round: list[float] = []
+    with _stacks(model, pair) as stacks:
+        for name in stacks:  # an untimed pass each
+            _pass(stacks[name][0], stacks[name][2], prompts)
+        for i_round in range(rounds):
+            rate: dict[str, float] = {}
+            for name in list(stacks)[:: 1 if i_round % 2 == 0 else -1]:
+                time.sleep(1.0)
+                url, _, served = stacks[name]
+                seconds, tokens, decode = _pass(url, served, prompts)
+                for i, v in enumerate((seconds, tokens, decode)):
+                    totals[name][i] += v
+                rate[name] = tokens / seconds
+            per_round.append(round(rate["ngram"] / rate["off"], 3))
+            print(f"batch 1, round {i_round + 1}: {rate} -> {per_round[-1]}x", flush=True)
+        ngram_stats = _spec_stats(stacks["ngram"][1])
+    for name, _, _ in pair:
+        t_seconds, t_tokens, t_decode = totals[name]
+        row = _row(name, t_seconds, int(t_tokens), t_decode, len(prompts) * rounds)
+        if name == "ngram":
+            row.update(ngram_stats)  # (every pass)
+            row["speedup_per_round"] = per_round
+        rows.append(row)
+    # Draft-model configurations (no target): one stack at a time, an untimed pass and a
+    # timed one.
+    drafts: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
         ("draft_self", ("--speculative", "draft", *spec), ("--draft-model", model)),
         (
             f"draft_{DRAFT_LAYERS}_layers",
@@ -227,34 +286,23 @@ def batch_one(model: str, draft: Path, quick: bool) -> list[dict[str, Any]]:
             ("--draft-model", str(draft)),
         ),
     ]
-    prompts = PROMPTS[:2] if quick else PROMPTS
-    rows: list[dict[str, Any]] = []
-    # One stack at a time, alone on the machine (an idle stack beside a busy one, or
-    # switching between them, slowed the faster configuration's short requests most):
-    # an untimed pass over the prompts, then the timed one.
-    for config in configs:
+    for config in drafts:
         with _stacks(model, [config]) as stacks:
             name = config[0]
             url, address, served = stacks[name]
-            for _pass in ("untimed", "timed"):  # the last pass counts
-                seconds, tokens, decode = 0.0, 0, 0.0
-                for p in prompts:  # one at a time: batch 1
-                    s, n, d = asyncio.run(_streamed(url, served, [p], MAX_TOKENS))
-                    seconds, tokens, decode = seconds + s, tokens + n, decode + d
-            stats = _spec_stats(address) if name != "off" else {}
-        row: dict[str, Any] = {"config": name, "output_tokens": tokens}
-        row["seconds"] = round(seconds, 2)
-        row["output_tok_s"] = round(tokens / seconds, 1)
-        # After the first token (no prompt): tokens per second of decoding.
-        row["decode_tok_s"] = round((tokens - len(prompts)) / decode, 1)
-        row.update(stats)  # (both passes)
+            _pass(url, served, prompts)
+            d_seconds, d_tokens, d_decode = _pass(url, served, prompts)
+            stats = _spec_stats(address)
+        row = _row(name, d_seconds, d_tokens, d_decode, len(prompts))
+        row.update(stats)
         rows.append(row)
         print(f"batch 1, {name}: {row}", flush=True)
     base = rows[0]
     for r in rows:
         r["speedup"] = round(r["output_tok_s"] / base["output_tok_s"], 3)
         r["decode_speedup"] = round(r["decode_tok_s"] / base["decode_tok_s"], 3)
-        assert r["output_tokens"] == base["output_tokens"], "greedy outputs changed length"
+        per_pass = r["output_tokens"] // (rounds if r["config"] in totals else 1)
+        assert per_pass == base["output_tokens"] // rounds, "greedy outputs changed length"
     return rows
 
 
