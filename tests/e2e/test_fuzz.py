@@ -28,11 +28,14 @@ CASES_PER_ROUTE = 500  # 2 POST routes: >= 1,000 cases in all
 MAX_MODEL_LEN = 20  # keeps every valid request short (<= 19 new tokens), so the cases run quickly
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[FullStack]:
-    with gateway_stack(
-        ("--kv-cache-bytes", str(64 << 20)), ("--max-model-len", str(MAX_MODEL_LEN))
-    ) as s:
+@pytest.fixture(scope="module", params=["sync", "async"])
+def stack(request: pytest.FixtureRequest) -> Iterator[FullStack]:
+    """Both ways of planning steps: with --async-scheduling a step is planned while the one
+    before it runs (the tokens it samples for ended requests dropped)."""
+    control = ("--max-model-len", str(MAX_MODEL_LEN))
+    if request.param == "async":
+        control += ("--async-scheduling",)
+    with gateway_stack(("--kv-cache-bytes", str(64 << 20)), control) as s:
         yield s
 
 
