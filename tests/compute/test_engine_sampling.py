@@ -97,11 +97,8 @@ def test_min_tokens_masks_banned_ids(engine: Engine) -> None:
     assert first not in masked[:3]
 
 
-def test_a_request_that_raises_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """When a batch raises, the engine runs its requests one by one: the one that raises
-    alone is failed (INTERNAL), the others get the tokens they get without it."""
-    alone = _run(engine, {"good": (PROMPT, GREEDY)}, seed=3)["good"]
-    engine.reset()
+def _raise_for_bad(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch holding the request "bad" raises, as an out-of-range index would."""
     run = engine.runner.run
 
     def run_raising(rows, capture_logits=False):  # type: ignore[no-untyped-def]
@@ -110,6 +107,14 @@ def test_a_request_that_raises_fails_alone(engine: Engine, monkeypatch: pytest.M
         return run(rows, capture_logits)
 
     monkeypatch.setattr(engine.runner, "run", run_raising)
+
+
+def test_a_request_that_raises_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When a batch raises, the engine runs its requests one by one: the one that raises
+    alone is failed (INTERNAL), the others get the tokens they get without it."""
+    alone = _run(engine, {"good": (PROMPT, GREEDY)}, seed=3)["good"]
+    engine.reset()
+    _raise_for_bad(engine, monkeypatch)
     drv = StepDriver(engine.num_blocks, engine.block_size, seed=3)
     res = engine.step(drv.step(new=[drv.new(r, PROMPT, len(PROMPT)) for r in ("good", "bad")]))
     (failure,) = res.failed
@@ -134,14 +139,7 @@ def test_a_failed_request_named_by_a_step_planned_ahead_fails_again(
     reported failed again, not counted twice); once a step releases it, naming it again
     is a malformed step."""
     engine.reset()
-    run = engine.runner.run
-
-    def run_raising(rows, capture_logits=False):  # type: ignore[no-untyped-def]
-        if any(r.request_id == "bad" for r in rows):
-            raise IndexError("index 1000000000 is out of bounds")
-        return run(rows, capture_logits)
-
-    monkeypatch.setattr(engine.runner, "run", run_raising)
+    _raise_for_bad(engine, monkeypatch)
     drv = StepDriver(engine.num_blocks, engine.block_size, seed=5)
     failed_before = engine.stats().num_failed_requests
     res = engine.step(drv.step(new=[drv.new(r, PROMPT, len(PROMPT)) for r in ("good", "bad")]))
