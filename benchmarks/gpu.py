@@ -10,7 +10,11 @@ Three figures, each against what the hardware allows:
 2. **Model decode step** (CUDA graph replay, batch 1 and 64): its time against
    (weight bytes + K/V bytes) / copy bandwidth, the least a memory-bound step can take.
 3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
-   EOS ignored, through `OfflineLLM` (scheduler + engine in one process).
+   EOS ignored, through `OfflineLLM` (scheduler + engine in one process), then through
+   the path users deploy: a compute-plane process driven over gRPC by a control-plane
+   process, planning one step at a time and with `--async-scheduling`
+   (`paths.<in_process|grpc|grpc_async>.output_tok_s`, and each gRPC path's ratio to
+   in-process).
 
 The model is randomly initialised with Qwen3-0.6B's shape (28 layers, hidden 1024,
 16 query / 8 KV heads of 128, vocabulary 151936, tied embeddings), written as a
@@ -217,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu needs a CUDA device")
-    from benchmarks.offline import run_hf, run_ours
+    from benchmarks.offline import run_grpc, run_hf, run_ours
     from hetero_infer.offline import OfflineLLM
 
     report: dict[str, Any] = {"benchmark": "gpu", "machine": machine()}
@@ -256,6 +260,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+    report["paths"] = {"in_process": {"output_tok_s": ours["output_tokens_per_s"]}}
+    for key, control in (("grpc", ()), ("grpc_async", ("--async-scheduling",))):
+        fig = run_grpc(str(folder), work, control_args=control)
+        report["throughput"].append(fig)
+        report["paths"][key] = {
+            "output_tok_s": fig["output_tokens_per_s"],
+            "vs_in_process": round(fig["output_tokens_per_s"] / ours["output_tokens_per_s"], 3),
+        }
+        print(json.dumps(fig), flush=True)
+        save()
     if args.hf:
         hf = run_hf(str(folder), work, args.hf_batch_size)
         report["throughput"].append(hf)

@@ -129,6 +129,53 @@ def run_gateway(model: str, work: list[Request], concurrency: int) -> dict[str, 
     return _figures("ours through gateway + gRPC (3 processes)", work, elapsed)
 
 
+def run_grpc(
+    model: str,
+    work: list[Request],
+    compute_args: tuple[str, ...] = (),
+    control_args: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """The workload through the path users deploy: a compute plane and a control plane,
+    each its own process, and this process calling the control plane's gRPC `Generate`
+    for every request at once (token-id prompts, greedy, EOS ignored). No gateway: the
+    figure is the two planes' and their gRPC hop's."""
+    import grpc
+
+    from hetero_infer.local import local_planes
+    from hetero_proto import control_pb2 as pb
+    from hetero_proto import control_pb2_grpc as pb_grpc
+
+    with local_planes(
+        model, extra_compute=compute_args, extra_control=control_args, metrics_ports=(-1, -1)
+    ) as control:
+
+        async def main() -> tuple[float, list[int]]:
+            async with grpc.aio.insecure_channel(
+                control, options=[("grpc.max_receive_message_length", 64 << 20)]
+            ) as ch:
+                stub = pb_grpc.ControlPlaneStub(ch)
+
+                async def one(r: Request) -> int:
+                    params = pb.GenerationParams(max_tokens=r.output_len, ignore_eos=True)
+                    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=r.prompt), params=params)
+                    tokens = 0
+                    async for resp in stub.Generate(req, timeout=3600):
+                        tokens += sum(len(c.token_ids) for c in resp.choices)
+                    return tokens
+
+                await one(Request(work[0].prompt[:8], 2))  # warm-up
+                start = time.perf_counter()
+                counts = await asyncio.gather(*(one(r) for r in work))
+                return time.perf_counter() - start, list(counts)
+
+        elapsed, counts = asyncio.run(main())
+    assert counts == [r.output_len for r in work], "every request must produce its tokens"
+    name = "ours, compute + control plane processes over gRPC"
+    if "--async-scheduling" in control_args:
+        name += ", async scheduling"
+    return _figures(name, work, elapsed)
+
+
 def _figures(name: str, work: list[Request], elapsed: float) -> dict[str, Any]:
     useful = sum(r.output_len for r in work)
     prompt = sum(len(r.prompt) for r in work)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import decode_step, offline, online, overhead, peers, profile
-from benchmarks.workload import PRESETS, Preset
+from benchmarks.workload import PRESETS, Preset, make_workload
+from hetero_common.model_path import bundled_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +30,17 @@ def test_offline_ours_vs_hf_tiny(tmp_path: Path) -> None:
     assert hf["generated_tokens_incl_padding"] >= hf["useful_output_tokens"]
     assert tiny.output_len[0] * tiny.num_requests <= ours["useful_output_tokens"]
     assert report["ours_vs_hf"] > 0
+
+
+@pytest.mark.parametrize("control_args", [(), ("--async-scheduling",)], ids=["sync", "async"])
+def test_grpc_path_tiny(control_args: tuple[str, ...]) -> None:
+    """benchmarks.gpu's gRPC path (compute and control plane processes, Generate calls),
+    run here on the CPU with the bundled model: every request gets its tokens."""
+    work = make_workload(PRESETS["tiny"], seed=1)
+    fig = offline.run_grpc(str(bundled_gguf()), work, control_args=control_args)
+    assert fig["useful_output_tokens"] == sum(r.output_len for r in work)
+    assert fig["output_tokens_per_s"] > 0
+    assert ("async" in fig["system"]) == bool(control_args)
 
 
 def test_online_load_generator_tiny(tmp_path: Path) -> None:
