@@ -97,13 +97,35 @@ def _word_bytes(*byte_counts: int) -> int:
     return next(w for w in (16, 8, 4, 2, 1) if g % w == 0)
 
 
+class _StreamHandle:
+    """A raw cudaStream_t as the CUDA stream protocol (`__cuda_stream__`) that CuPy's
+    `Stream.from_external` takes."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(cupy: Any, ptr: int, device: int) -> Any:
+    """torch's stream `ptr` as a CuPy stream on `device`: `Stream.from_external` (call it
+    inside `cupy.cuda.Device(device)`: the protocol carries no device), or on CuPy
+    releases without it `ExternalStream`, which newer ones deprecate."""
+    if hasattr(cupy.cuda.Stream, "from_external"):
+        return cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr, device)
+
+
 def _launch(
     t: torch.Tensor, name: str, word: int, grid: tuple[int, ...], args: tuple[Any, ...]
 ) -> None:
     cupy = _cupy()
     assert cupy is not None
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
-    with cupy.cuda.Device(t.device.index), stream:
+    ptr = torch.cuda.current_stream(t.device).cuda_stream
+    with cupy.cuda.Device(t.device.index), cupy_stream(cupy, ptr, t.device.index):
         _kernel(name, word)(grid, (128,), args)
 
 

@@ -49,3 +49,28 @@ def test_copy_blocks_every_layer(dtype: torch.dtype) -> None:
 def test_cupy_kernels_are_used_on_cuda(_: None) -> None:
     pytest.importorskip("cupy")
     assert cache_ops.uses_cupy(torch.empty(1, device="cuda"))
+
+
+def test_cupy_stream_uses_the_stream_protocol_where_cupy_has_it() -> None:
+    """CuPy deprecates ExternalStream for Stream.from_external(obj with __cuda_stream__):
+    the handle handed over carries torch's raw stream; older CuPy gets ExternalStream with
+    the device. (CuPy's own classes are replaced by recorders: no GPU is needed.)"""
+    from types import SimpleNamespace
+
+    got: list[object] = []
+
+    class NewStream:
+        @staticmethod
+        def from_external(obj: object) -> str:
+            got.append(obj.__cuda_stream__())  # type: ignore[attr-defined]
+            return "from_external"
+
+    new = SimpleNamespace(cuda=SimpleNamespace(Stream=NewStream))
+    assert cache_ops.cupy_stream(new, 0xABC, 1) == "from_external"
+    assert got == [(0, 0xABC)]
+
+    def external(ptr: int, device: int) -> tuple[int, int]:
+        return (ptr, device)
+
+    old = SimpleNamespace(cuda=SimpleNamespace(Stream=object, ExternalStream=external))
+    assert cache_ops.cupy_stream(old, 0xABC, 1) == (0xABC, 1)
