@@ -61,7 +61,7 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        # What can end it (stop_check; the scheduler tests these before calling it):
+        # What can end it (stop_check):
         # the tokens that stop it, and its length at max_tokens.
         self.stop_ids = self.stop_token_ids | (
             frozenset() if self.ignore_eos else self.eos_token_ids

@@ -378,12 +378,7 @@ class Scheduler:
                 continue
             tokens = req.token_ids
             tokens.append(token)
-            # stop_check's own conditions, less min_tokens: most tokens skip the call.
-            if (
-                token in req.stop_ids
-                or len(tokens) >= req.max_num_tokens
-                or len(tokens) >= max_model_len
-            ) and (status := req.stop_check(token, max_model_len)) is not None:
+            if (status := req.stop_check(token, max_model_len)) is not None:
                 self.finish(req.request_id, status)
                 finished.append(req)
         return finished
@@ -423,17 +418,11 @@ class Scheduler:
             tokens = req.token_ids
             if token is not None:
                 pending = req.num_pending
-                if not pending:  # sampled where advance saw no sample: a broken step
-                    raise ValueError(f"a token for {rid!r}, which had nothing to sample")
                 # The oldest placeholder is this token's; the check sees the tokens up to it.
                 del tokens[len(tokens) - pending :]
                 tokens.append(token)
                 req.num_pending = 0
-                if (
-                    token in req.stop_ids
-                    or len(tokens) >= req.max_num_tokens
-                    or len(tokens) >= max_model_len
-                ) and (status := req.stop_check(token, max_model_len)) is not None:
+                if (status := req.stop_check(token, max_model_len)) is not None:
                     self.finish(rid, status)
                     finished.append(req)
                     continue
@@ -461,11 +450,7 @@ class Scheduler:
         tokens, rid = req.token_ids, req.request_id
         for j, token in enumerate(acc):
             tokens.append(token)
-            if (
-                token in req.stop_ids
-                or len(tokens) >= req.max_num_tokens
-                or len(tokens) >= self.max_model_len
-            ) and (status := req.stop_check(token, self.max_model_len)) is not None:
+            if (status := req.stop_check(token, self.max_model_len)) is not None:
                 self.finish(rid, status)
                 accepted[rid] = acc[:j]
                 sampled[rid] = token
