@@ -36,6 +36,7 @@ from benchmarks.workload import machine
 from control_plane.compute_client import InProcessLink, sampled_tokens
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
+from control_plane.plane import ComputePlane
 from control_plane.server import CallOutbox
 from control_plane.tokenizer import load_tokenizer
 from hetero_common.model_path import bundled_gguf
@@ -182,12 +183,13 @@ def breakdown(
     """Mean ms per step of each part of the control plane's step loop, in one process."""
 
     async def run() -> dict[str, float]:
-        config = ControlConfig(
-            compute="in-process", stream_interval=stream_interval, max_num_seqs=max(256, num_seqs)
-        )
-        engine = ControlEngine(config, load_tokenizer(bundled_gguf()), _wire())
-        await engine._attach()
-        sched = engine.scheduler
+        config = ControlConfig(stream_interval=stream_interval, max_num_seqs=max(256, num_seqs))
+        link = _wire()
+        engine = ControlEngine(config, load_tokenizer(bundled_gguf()), link)
+        # The plane's parts driven by hand (its step loop is not started).
+        plane = engine.planes[link.address] = ComputePlane(engine, link)
+        await plane._attach()
+        sched = plane.scheduler
         assert sched is not None
         params = pb.GenerationParams(max_tokens=steps + 64, temperature=0, ignore_eos=True)
         outbox = CallOutbox() if api == "generate_many" else None
@@ -201,17 +203,17 @@ def breakdown(
             t0 = clock()
             out = sched.schedule()
             t1 = clock()
-            engine._step_id += 1
-            step = engine._to_step(out)
+            plane._step_id += 1
+            step = plane._to_step(out)
             t2 = clock()
-            await engine.client.send(step)
-            result = await engine.client.receive()
+            await link.send(step)
+            result = await link.receive()
             t3 = clock()
             sampled = sampled_tokens(result)
             sched.update(out, sampled)
             t4 = clock()
-            engine._emit(result, sampled)
-            engine._observe_pool()
+            plane._emit(result, sampled)
+            plane._observe_pool()
             # Outputs end with the serialised messages gRPC would send.
             if outbox is not None:  # what the GenerateMany call's writer takes
                 if not outbox.empty:

@@ -40,6 +40,20 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         self.engine: Engine | None = None
         self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # The control plane that drives this one: the peer of the open Run stream. Its
+        # block pool owns this KV cache, so another control plane is refused until that
+        # stream ends (a crashed control plane's connection closes, and so does it).
+        self._driver: str | None = None
+        self._driver_stream: object | None = None
+
+    async def _claim(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a control plane other than the one whose Run stream is open."""
+        peer = context.peer()
+        if self._driver is not None and self._driver != peer:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this compute plane is driven by another control plane ({self._driver})",
+            )
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> Engine:
         if self.draining:
@@ -60,7 +74,9 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
     async def Reset(
         self, request: pb.ResetRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetResponse:
-        await self._call((await self._engine(context)).reset)
+        engine = await self._engine(context)
+        await self._claim(context)
+        await self._call(engine.reset)
         return pb.ResetResponse()
 
     async def Stats(
@@ -75,6 +91,23 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         self, request_iterator: AsyncIterator[pb.StepRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StepResult]:
         engine = await self._engine(context)
+        await self._claim(context)
+        stream = object()
+        self._driver, self._driver_stream = context.peer(), stream
+        log.info("driven by control plane %s", self._driver)
+        try:
+            async for result in self._steps(engine, request_iterator, context):
+                yield result
+        finally:
+            if self._driver_stream is stream:
+                self._driver = self._driver_stream = None
+
+    async def _steps(
+        self,
+        engine: Engine,
+        request_iterator: AsyncIterator[pb.StepRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.StepResult]:
         async for step in request_iterator:
             received = time.time_ns()
             try:

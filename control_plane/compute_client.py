@@ -20,7 +20,12 @@ from hetero_proto import compute_pb2_grpc as pb_grpc
 
 
 class ComputeLinkError(ConnectionError):
-    """The compute plane is unreachable or its stream broke."""
+    """The compute plane is unreachable or its stream broke (`code`: the gRPC status
+    name when an RPC failed, e.g. FAILED_PRECONDITION: another control plane drives it)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class StepFailed(RuntimeError):
@@ -56,9 +61,15 @@ class ComputeLink(Protocol):
 
 
 class ComputeClient:
-    def __init__(self, address: str, tls: ClientTLS | None = None) -> None:
+    def __init__(self, address: str, tls: ClientTLS | None = None, server_name: str = "") -> None:
+        """`server_name`: the host name `address` was resolved from; TLS verifies the
+        compute plane's certificate against it."""
         self.address = address
-        self.channel = (tls or ClientTLS()).aio_channel(address)
+        tls = tls or ClientTLS()
+        options = []
+        if tls.enabled and server_name and server_name != address.rpartition(":")[0]:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        self.channel = tls.aio_channel(address, options or None)
         self.stub = pb_grpc.ComputePlaneStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._run: grpc.aio.StreamStreamCall | None = None
@@ -111,7 +122,7 @@ class ComputeClient:
             yield
         except grpc.aio.AioRpcError as e:
             raise ComputeLinkError(
-                f"compute plane {self.address}: {e.code().name}: {e.details()}"
+                f"compute plane {self.address}: {e.code().name}: {e.details()}", e.code().name
             ) from e
 
     async def close(self) -> None:

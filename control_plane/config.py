@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from control_plane.discovery import targets
 from control_plane.speculative import SpeculativeConfig
 from hetero_common.server_config import GrpcServerConfig
 from hetero_common.tls import ClientTLS
@@ -13,7 +14,31 @@ from hetero_common.tls import ClientTLS
 class ControlConfig(GrpcServerConfig):
     port: int = field(default=50051, metadata={"help": "gRPC port of the public API"})
     compute: str = field(
-        default="127.0.0.1:50052", metadata={"help": "compute plane address HOST:PORT"}
+        default="127.0.0.1:50052",
+        metadata={
+            "help": "compute planes: HOST:PORT[,HOST:PORT...]; a host name stands for every "
+            "address it resolves to (a Kubernetes headless Service: one per ready pod), "
+            "and file:PATH for the HOST:PORT lines of a file; names and files are read "
+            "again every --compute-resolve-interval seconds"
+        },
+    )
+    compute_resolve_interval: float = field(
+        default=5.0,
+        metadata={"help": "seconds between re-resolving --compute (planes join and leave)"},
+    )
+    max_compute_planes: int = field(
+        default=0,
+        metadata={
+            "help": "drive at most this many compute planes (0: all); with R control planes "
+            "sharing N compute planes, N/R each"
+        },
+    )
+    route_load_slack: int = field(
+        default=16,
+        metadata={
+            "help": "a request goes to the compute plane with its longest prefix-cache hit "
+            "unless that plane has more than this many requests beyond the least loaded one"
+        },
     )
     model: str = field(
         default="default", metadata={"help": "tokenizer source: HF folder, .gguf, or 'default'"}
@@ -128,6 +153,7 @@ class ControlConfig(GrpcServerConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.compute_tls  # noqa: B018 -- validates the TLS flags
+        targets(self.compute)  # a malformed address stops start-up
         self.speculation  # noqa: B018 -- validates the speculative decoding flags
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
             if getattr(self, name) < 1:

@@ -10,17 +10,19 @@ from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 L = ("model_name",)
+# The step and KV metrics are per compute plane (a control plane drives several).
+P = ("model_name", "compute")
 
-requests_running = Gauge("hetero_requests_running", "Requests in the running batch", L)
-requests_waiting = Gauge("hetero_requests_waiting", "Requests waiting to be scheduled", L)
+requests_running = Gauge("hetero_requests_running", "Requests in the running batch", P)
+requests_waiting = Gauge("hetero_requests_waiting", "Requests waiting to be scheduled", P)
 kv_cache_usage = Gauge(
-    "hetero_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1)", L
+    "hetero_kv_cache_usage_ratio", "Fraction of KV blocks held by requests (0..1)", P
 )
-preemptions = Counter("hetero_preemptions", "Requests preempted by recompute", L)
+preemptions = Counter("hetero_preemptions", "Requests preempted by recompute", P)
 prefix_queries = Counter(
-    "hetero_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", L
+    "hetero_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", P
 )
-prefix_hits = Counter("hetero_prefix_cache_hits", "Prompt tokens found in the prefix cache", L)
+prefix_hits = Counter("hetero_prefix_cache_hits", "Prompt tokens found in the prefix cache", P)
 prompt_tokens = Counter("hetero_prompt_tokens", "Prompt tokens of admitted requests", L)
 generation_tokens = Counter("hetero_generation_tokens", "Generated tokens", L)
 request_success = Counter(
@@ -89,9 +91,16 @@ steps = Counter(
     "hetero_steps",
     "Steps sent to the compute plane; planned_ahead=true: planned while the previous step "
     "ran (async scheduling)",
-    (*L, "planned_ahead"),
+    (*P, "planned_ahead"),
 )
-compute_attached = Gauge("hetero_compute_attached", "1 while a compute plane is attached", L)
+compute_attached = Gauge("hetero_compute_attached", "1 while the compute plane is attached", P)
+routed = Counter(
+    "hetero_routed_requests",
+    "Requests placed on a compute plane, by why: prefix (longest prefix-cache hit), load "
+    "(no hit, or the hit's plane was busier by more than route_load_slack), only (one plane "
+    "accepts requests), moved (off a compute plane that failed or left)",
+    (*P, "reason"),
+)
 
 
 def observe_many(histogram: Histogram, value: float, count: int) -> None:

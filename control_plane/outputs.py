@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.request import Request, Status
@@ -97,6 +97,10 @@ class GenerateStream:
     # request of a GenerateMany call with one choice and no logprobs.
     pack_into: Outbox | None = None
     span: RequestSpan = NO_SPAN  # its trace span here (hetero_common.tracing), when tracing
+    # The compute plane it runs on (control_plane.plane.ComputePlane; the engine places
+    # and moves it) and its prompt's block keys counted there for placement.
+    plane: Any = None
+    route_keys: list[Any] = field(default_factory=list)
 
     @property
     def done(self) -> bool:

@@ -107,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_args=log_args,
         metrics_ports=(args.compute_metrics_port, args.control_metrics_port),
         control_args=tuple(control_args),
+        num_compute=args.compute_planes,
     )
 
 
@@ -153,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
+    p.add_argument(
+        "--compute-planes",
+        type=int,
+        default=1,
+        help="compute planes behind the control plane (data parallel; each gets an equal "
+        "share of the CPUs unless --compute-arg sets --num-threads)",
+    )
     for plane in ("compute", "control"):
         p.add_argument(
             f"--{plane}-metrics-port",

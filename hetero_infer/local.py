@@ -89,24 +89,38 @@ def local_planes(
     metrics_ports: tuple[int, int] | None = None,
     log_args: tuple[str, ...] = (),
     extra_control: tuple[str, ...] = (),
+    num_compute: int = 1,
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports; yields the control plane address.
 
     metrics_ports: the (compute, control) /metrics ports (0: the plane picks a free one and
-    logs it; -1: none); default: free ones.
+    logs it; -1: none); default: free ones. With several compute planes (`num_compute`,
+    data parallel behind the one control plane) the others pick their own, and each
+    gets an equal share of this process's CPUs unless extra_compute sets --num-threads.
     log_args: --log-level / --log-format flags for both.
     """
-    cport, kport = free_port(), free_port()
+    if num_compute < 1:
+        raise ValueError(f"--compute-planes must be at least 1, not {num_compute}")
+    cport = free_port()
+    kports = [free_port() for _ in range(num_compute)]
     kmetrics, cmetrics = metrics_ports or (free_port(), free_port())
-    compute = f"127.0.0.1:{kport}"
+    computes = [f"127.0.0.1:{kport}" for kport in kports]
     control = f"127.0.0.1:{cport}"
-    compute_args = ["compute-plane", *log_args, "--model", model, "--port", str(kport)]
     control_args = ["control-plane", *log_args, "--model", model, "--port", str(cport)]
-    control_args += ["--compute", compute]
-    with (
-        child([*compute_args, "--metrics-port", str(kmetrics), *extra_compute], compute, quiet),
-        child([*control_args, "--metrics-port", str(cmetrics), *extra_control], control, quiet),
-    ):
+    control_args += ["--compute", ",".join(computes)]
+    threads: tuple[str, ...] = ()
+    if num_compute > 1 and not any(a.startswith("--num-threads") for a in extra_compute):
+        share = max(1, len(os.sched_getaffinity(0)) // num_compute)
+        threads = ("--num-threads", str(share))
+    with contextlib.ExitStack() as stack:
+        for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):
+            port = kmetrics if i == 0 or kmetrics <= 0 else 0
+            args = ["compute-plane", *log_args, "--model", model, "--port", str(kport)]
+            args += ["--metrics-port", str(port), *threads, *extra_compute]
+            stack.enter_context(child(args, compute, quiet))
+        stack.enter_context(
+            child([*control_args, "--metrics-port", str(cmetrics), *extra_control], control, quiet)
+        )
         yield control
 
 
@@ -144,8 +158,10 @@ def serve_stack(
     log_args: tuple[str, ...] = (),
     metrics_ports: tuple[int, int] = (0, 0),
     control_args: tuple[str, ...] = (),
+    num_compute: int = 1,
 ) -> int:
-    """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready."""
+    """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready.
+    `num_compute`: compute planes behind the control plane (data parallel)."""
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -161,6 +177,7 @@ def serve_stack(
         metrics_ports=metrics_ports,
         log_args=log_args,
         extra_control=control_args,
+        num_compute=num_compute,
     ) as control:
         gw = subprocess.Popen(
             [

@@ -1,0 +1,691 @@
+"""One compute plane the control plane drives: its link, its block pool and its step loop.
+
+A control plane drives any number of them (data parallel; `ControlEngine` places each
+request on one and moves requests between them when one leaves). Each has its own
+scheduler (KV memory is per compute plane), its own `Run` stream and its own asyncio
+task: steps on different compute planes run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from control_plane import metrics
+from control_plane.block_pool import BlockHash
+from control_plane.compute_client import (
+    ComputeLink,
+    ComputeLinkError,
+    StepFailed,
+    sampled_tokens,
+)
+from control_plane.input_processor import ModelBounds
+from control_plane.request import Request, Status
+from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
+from control_plane.speculative import Speculator
+from hetero_proto import compute_pb2 as cpb
+
+if TYPE_CHECKING:
+    from control_plane.engine import ControlEngine
+
+log = logging.getLogger(__name__)
+
+# A request in flight this many times in a row when a compute plane failed is failed,
+# not re-admitted: a request that crashes every compute plane must not crash them all.
+MAX_COMPUTE_FAILURES = 2
+
+
+class ComputeUnavailable(RuntimeError):
+    """No compute plane is attached (or the one holding a request stayed away)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed (the compute plane refused it or it raised there, or it was in
+    flight each time a compute plane failed twice in a row); the others go on."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # gRPC status code name
+
+
+class _Leave(Exception):
+    """The plane left the list of compute planes: its requests move to the others."""
+
+
+class _LoopMetrics:
+    """The labelled children of the metrics the step loop observes, looked up once.
+
+    `labels()` costs a lock and a dict lookup; at 256 running sequences the step loop
+    would pay it 500 times a step.
+    """
+
+    def __init__(self, labels: dict[str, str], plane_labels: dict[str, str]) -> None:
+        self.generation_tokens = metrics.generation_tokens.labels(**labels)
+        self.steps = metrics.steps.labels(planned_ahead="false", **plane_labels)
+        self.steps_ahead = metrics.steps.labels(planned_ahead="true", **plane_labels)
+        self.ttft = metrics.ttft.labels(**labels)
+        self.itl = metrics.itl.labels(**labels)
+        self.running = metrics.requests_running.labels(**plane_labels)
+        self.waiting = metrics.requests_waiting.labels(**plane_labels)
+        self.kv_usage = metrics.kv_cache_usage.labels(**plane_labels)
+        self.spec_drafts = metrics.spec_drafts.labels(**labels)
+        self.spec_draft_tokens = metrics.spec_draft_tokens.labels(**labels)
+        self.spec_accepted = metrics.spec_accepted_tokens.labels(**labels)
+        self.spec_emitted = metrics.spec_emitted_tokens.labels(**labels)
+        self.labels = labels
+        self.plane_labels = plane_labels
+
+
+class ComputePlane:
+    def __init__(self, engine: ControlEngine, link: ComputeLink) -> None:
+        self.engine = engine
+        self.client = link
+        self.address = link.address
+        self.scheduler: Scheduler | None = None
+        self.description: cpb.DescribeResponse | None = None
+        self.attached = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._step_id = 0
+        self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self._lost = False  # set by the watchdog when the compute plane stops answering
+        self._lost_since = 0.0
+        self._compute_draining = False  # the compute plane said so: start nothing new on it
+        self.leaving = False  # gone from the list of compute planes: hand requests over
+        self.refused = False  # its last attach found another control plane driving it
+        # Requests kept across a compute-plane failure, in re-admission order, with the
+        # request whose prompt blocks they fork (n > 1) or None.
+        self._parked: list[tuple[Request, Request | None]] = []
+        # The steps sent whose results are not back, oldest first: one, or two with async
+        # scheduling (the next one planned while the compute plane runs the first).
+        self._in_flight: deque[SchedulerOutput] = deque()
+        # Requests in flight when the compute plane failed, until a step of theirs runs,
+        # with how many failures in a row they saw. They go back one at a time: the others
+        # wait in `_held` until the one on trial has run a step (or ended), so a request
+        # that crashes the compute plane again is alone among the suspects when it does.
+        self._suspects: dict[str, int] = {}
+        self._held: list[tuple[Request, Request | None]] = []
+        # Prompt blocks (chain-hash keys) of the requests placed here and still live: a
+        # request sharing them goes here even before they are computed and cached.
+        self.placed_keys: Counter[BlockHash] = Counter()
+        self.set_labels(engine.labels)
+
+    def set_labels(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.plane_labels = {**labels, "compute": self.address}
+        self._loop_metrics = _LoopMetrics(labels, self.plane_labels)
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"step-loop {self.address}")
+        self._watchdog = asyncio.create_task(self._watch(), name=f"watchdog {self.address}")
+
+    async def stop(self) -> None:
+        for task in (self._task, self._watchdog):
+            if task:
+                task.cancel()
+        await self.client.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def leave(self) -> None:
+        """Hand this plane's requests to the other planes once its steps in flight are
+        back, then stop (the engine closes the link)."""
+        self.leaving = True
+        self._wake.set()
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests may be placed here."""
+        return (
+            self.attached.is_set()
+            and self.scheduler is not None
+            and not self._compute_draining
+            and not self.leaving
+            and not self._lost
+        )
+
+    @property
+    def load(self) -> int:
+        """Requests placed here and not finished: running, waiting and set aside."""
+        sched = self.scheduler
+        n = len(self._parked) + len(self._held)
+        if sched is not None:
+            n += len(sched.requests)
+        return n
+
+    def prefix_hit(self, keys: list[BlockHash]) -> int:
+        """How many leading blocks of a prompt (`keys`: its chain of full-block hashes)
+        this plane has cached, or holds for a live request placed here."""
+        sched = self.scheduler
+        cached = sched.block_manager.pool.cached if sched is not None else {}
+        placed = self.placed_keys
+        n = 0
+        for key in keys:
+            if key not in placed and key not in cached:
+                break
+            n += 1
+        return n
+
+    def bounds(self) -> ModelBounds:
+        sched = self.scheduler
+        assert sched is not None
+        d = self.description
+        eos = set(self.engine.tokenizer.eos_token_ids) | set(d.eos_token_ids if d else ())
+        return ModelBounds(sched.max_model_len, d.vocab_size if d else 0, frozenset(eos))
+
+    async def _attach(self) -> None:
+        d = await self.client.attach()
+        self.engine.check_same_model(self, d)
+        num_blocks = min(d.num_kv_blocks, self.engine.config.max_num_blocks or d.num_kv_blocks)
+        max_len = min(d.max_model_len, self.engine.config.max_model_len or d.max_model_len)
+        max_len = min(max_len, (num_blocks - 1) * d.block_size)
+        self.scheduler = Scheduler(
+            num_blocks=num_blocks,
+            block_size=d.block_size,
+            max_model_len=max_len,
+            max_num_seqs=self.engine.config.max_num_seqs,
+            max_num_batched_tokens=self.engine.config.max_num_batched_tokens,
+            max_waiting=self.engine.config.max_waiting,
+            enable_prefix_caching=self.engine.config.enable_prefix_caching,
+            sliding_window=d.sliding_window or None,
+            speculator=self._speculator(d),
+        )
+        self.description = d
+        self.engine.grammars.bind(d.vocab_size, self.bounds().eos_token_ids)
+        self._compute_draining = False
+        self._readmit()
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        metrics.compute_attached.labels(**self.plane_labels).set(1)
+        self.attached.set()
+        self.refused = False
+        self.engine.plane_attached(self)
+        log.info(
+            "attached compute plane %s: %s, %d blocks of %d, max_model_len %d",
+            self.address,
+            d.model_name,
+            num_blocks,
+            d.block_size,
+            max_len,
+        )
+
+    def _speculator(self, d: cpb.DescribeResponse) -> Speculator | None:
+        """Speculative decoding as configured, where the compute plane can verify it."""
+        spec = self.engine.config.speculation
+        if spec is None:
+            return None
+        if d.max_speculative_tokens < 1:
+            log.error("speculative decoding is off: the compute plane verifies no proposals")
+            return None
+        if spec.method == "draft" and not d.draft_model:
+            log.error(
+                "speculative decoding is off: --speculative draft, but the compute plane at "
+                "%s holds no draft model (start it with --draft-model)",
+                self.address,
+            )
+            return None
+        if spec.num_tokens > d.max_speculative_tokens:
+            log.warning(
+                "num_speculative_tokens %d capped at the compute plane's max_speculative_tokens %d",
+                spec.num_tokens,
+                d.max_speculative_tokens,
+            )
+            spec = dataclasses.replace(spec, num_tokens=d.max_speculative_tokens)
+        log.info(
+            "speculative decoding: %s, k <= %d, while <= %d requests decode%s",
+            spec.method,
+            spec.num_tokens,
+            spec.max_batch,
+            f" (draft model {d.draft_model})" if spec.method == "draft" else "",
+        )
+        return Speculator(spec)
+
+    # ------------------------------------------------------------ step loop
+    async def _run(self) -> None:
+        """Attach, run steps, and on a failure keep the requests: they move to another
+        compute plane at once where one accepts requests, else wait for this one to
+        come back (up to compute_timeout)."""
+        backoff = 0.2
+        while True:
+            try:
+                if not self.attached.is_set():
+                    await self._attach()
+                    backoff = 0.2
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except _Leave:
+                self._detach()
+                if not self._parked and not self._held:
+                    self.engine.plane_gone(self)
+                    return
+                if self.engine.rehome(self):
+                    log.info("compute plane %s left: its requests moved", self.address)
+                    return
+                self.leaving = False  # nowhere to go: carry on here
+                continue
+            except (ComputeLinkError, StepFailed) as e:
+                now = time.monotonic()
+                if not self.attached.is_set() and getattr(e, "code", "") == "FAILED_PRECONDITION":
+                    if not self.refused:
+                        log.info("compute plane %s: %s", self.address, e)
+                    self.refused = True  # another control plane drives it
+                self._quarantine()
+                if self.attached.is_set():
+                    log.error("compute plane %s lost: %s", self.address, e)
+                    self._detach()
+                    self._lost_since = now
+                if self._parked and self.engine.rehome(self):
+                    pass  # moved to the other compute planes
+                elif self._parked and now - self._lost_since > self.engine.config.compute_timeout:
+                    log.error(
+                        "compute plane %s away for %.0f s: failing its requests",
+                        self.address,
+                        now - self._lost_since,
+                    )
+                    self._fail_all(e)
+                elif self._parked:
+                    log.info(
+                        "%d requests wait for compute plane %s to come back",
+                        len(self._parked),
+                        self.address,
+                    )
+                if self.leaving and not self._parked:
+                    self.engine.plane_gone(self)  # gone from the list, nothing of its own left
+                    return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _detach(self) -> None:
+        """The step stream is over: keep the requests (parked), drop the block pool."""
+        self.attached.clear()
+        self._lost = False
+        metrics.compute_attached.labels(**self.plane_labels).set(0)
+        self._park()
+        self.engine.plane_detached(self)
+
+    async def _watch(self, interval: float = 0.5) -> None:
+        """Notice a dead compute plane while idle (a step in flight notices by itself)."""
+        misses = 0
+        while True:
+            await asyncio.sleep(interval)
+            if not self.attached.is_set():
+                misses = 0
+                continue
+            alive = await self.client.alive(draining=self._compute_draining)
+            misses = 0 if alive else misses + 1
+            if misses >= 2:
+                self._lost = True
+                self._wake.set()
+
+    async def _loop(self) -> None:
+        """Schedule, send the step, and while it runs turn the previous step's tokens into
+        responses (detokenising, stop strings): output processing overlaps the compute
+        plane's step instead of delaying the next one, as in vLLM's async output
+        processing. A stop string found there ends its request one step late: that
+        step's token for it is dropped, never sent or counted.
+
+        With async scheduling the next step is planned and sent before the result of the
+        one in flight (Scheduler.advance / resolve): the compute plane finds it queued when
+        it finishes a step, so it never waits for the control plane's round trip. EOS and
+        max_tokens then also end a request a step late (that step's token is dropped).
+        Steps that need the previous step's tokens (grammar masks, speculative proposals)
+        are planned with nothing in flight."""
+        sched = self.scheduler
+        assert sched is not None
+        in_flight = self._in_flight
+        # Sampled (and accepted proposals), not yet emitted.
+        ready: tuple[cpb.StepResult, dict[str, int], dict[str, list[int]] | None] | None = None
+        marks: deque[tuple[int, int, int, int, int]] = deque()  # timeline, per step in flight
+        while True:
+            out = None
+            t_sched = time.time_ns()
+            lookahead = bool(in_flight)
+            if (
+                not self._lost
+                and not self.leaving
+                and sched.has_work
+                and (not lookahead or self._may_look_ahead(sched))
+            ):
+                out = sched.schedule(admit=not self._compute_draining, lookahead=lookahead)
+                if out.empty:
+                    out = None
+            if out is None and not in_flight:
+                if ready is not None:  # no step to overlap with: emit now, then look again
+                    self._emit(*ready)
+                    ready = None
+                    continue
+                if self._lost:
+                    self._lost = False
+                    raise ComputeLinkError("the compute plane stopped answering health checks")
+                if self.leaving:
+                    raise _Leave()
+                self._observe_pool()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            t_scheduled = t_encoded = t_sent = 0
+            if out is not None:
+                self._step_id += 1
+                t_scheduled = time.time_ns()
+                step = self._to_step(out)
+                t_encoded = time.time_ns()
+                (self._loop_metrics.steps_ahead if lookahead else self._loop_metrics.steps).inc()
+                in_flight.append(out)
+                try:
+                    await self.client.send(step)
+                finally:
+                    t_sent = time.time_ns()
+                    if ready is not None:  # emitted even when the link fails: kept tokens
+                        self._emit(*ready)
+                        ready = None
+                if self.engine.config.async_scheduling:
+                    sched.advance(out)
+            if ready is not None:
+                self._emit(*ready)
+                ready = None
+            t_emitted = time.time_ns()
+            if out is not None:
+                marks.append((t_sched, t_scheduled, t_encoded, t_sent, t_emitted))
+                if len(in_flight) == 1 and self._may_look_ahead(sched):
+                    continue  # plan the next step while this one runs
+            result = await self.client.receive()
+            t_result = time.time_ns()
+            done = in_flight.popleft()
+            if self._suspects:
+                self._clear_suspects(done)
+            if result.failed:
+                self._fail_requests(result.failed)
+            if result.draining and not self._compute_draining:
+                log.info("the compute plane is draining: new requests wait for the next one")
+                self._compute_draining = True
+            sampled = sampled_tokens(result)
+            accepted = None
+            if self.engine.config.async_scheduling:
+                sched.resolve(done, sampled)
+            else:
+                accepted = self._accepted(sched, result) if result.accepted else None
+                sched.update(done, sampled, accepted)
+            if self._constrained:
+                self._advance_grammars(sched, sampled)
+            ready = result, sampled, accepted
+            self._observe_pool()
+            if self.engine.timeline is not None and marks:
+                t0, t1, t2, t3, t4 = marks.popleft()
+                self.engine.timeline.append(
+                    {
+                        "step_id": result.step_id,
+                        "num_seqs": result.num_seqs,
+                        "num_tokens": result.num_tokens,
+                        "schedule_start": t0,
+                        "scheduled": t1,
+                        "encoded": t2,
+                        "sent": t3,
+                        "emitted": t4,  # the previous step's outputs, while this runs
+                        "result": t_result,
+                        "updated": time.time_ns(),
+                        "compute_received": result.received_unix_ns,
+                        "compute_replied": result.replied_unix_ns,
+                        "prepare_ns": result.prepare_ns,
+                        "forward_ns": result.forward_ns,
+                        "sample_ns": result.sample_ns,
+                    }
+                )
+
+    def _may_look_ahead(self, sched: Scheduler) -> bool:
+        """Whether the next step may be planned before the result of the one in flight:
+        async scheduling is on, no lookahead step left a request short of blocks, and no
+        request needs the tokens in flight to be planned (grammar masks, proposals)."""
+        return (
+            self.engine.config.async_scheduling
+            and not sched.needs_sync
+            and sched.speculator is None
+            and not self._constrained
+        )
+
+    def _accepted(self, sched: Scheduler, result: cpb.StepResult) -> dict[str, list[int]]:
+        """Each verifying request's accepted proposals; the speculator and metrics see them."""
+        accepted: dict[str, list[int]] = {}
+        spec = sched.speculator
+        lm = self._loop_metrics
+        drafts = proposed = taken = 0
+        per_pos: dict[int, int] = {}
+        live = sched.requests
+        for a in result.accepted:
+            acc = accepted[a.request_id] = list(a.token_ids)
+            if a.request_id not in live:
+                continue  # ended while the step ran (stop string, abort): not counted
+            drafts += 1
+            proposed += a.num_proposed
+            taken += len(acc)
+            for i in range(len(acc)):
+                per_pos[i] = per_pos.get(i, 0) + 1
+            if spec is not None:
+                spec.observe(a.request_id, a.num_proposed, len(acc))
+        lm.spec_drafts.inc(drafts)
+        lm.spec_draft_tokens.inc(proposed)
+        lm.spec_accepted.inc(taken)
+        lm.spec_emitted.inc(taken + drafts)
+        for pos, count in per_pos.items():
+            metrics.spec_accepted_per_pos.labels(position=str(pos), **lm.labels).inc(count)
+        return accepted
+
+    @property
+    def _constrained(self) -> bool:
+        return any(c.request.grammar is not None for _, c in self.engine.choices.values())
+
+    def _advance_grammars(self, sched: Scheduler, sampled: dict[str, int]) -> None:
+        """Feed the constrained requests their sampled tokens and compute their next masks
+        (all together); end those whose grammar is complete (stop) or at a dead end."""
+        reqs: list[Request] = []
+        tokens: list[int] = []
+        for rid, token in sampled.items():
+            entry = self.engine.choices.get(rid)
+            if entry is not None:
+                req = entry[1].request
+                if req.grammar is not None and not req.status.finished:
+                    reqs.append(req)
+                    tokens.append(token)
+        self.engine.grammars.advance([(r.grammar, t) for r, t in zip(reqs, tokens, strict=True)])
+        for req in reqs:
+            g = req.grammar
+            if g.dead:
+                sched.finish(req.request_id, Status.FINISHED_GRAMMAR)
+            elif g.complete:
+                sched.finish(req.request_id, Status.FINISHED_STOPPED)
+
+    def _fail_requests(self, failed: Iterable[cpb.RequestFailure]) -> None:
+        """The compute plane failed these alone: end their streams with the error."""
+        for f in failed:
+            if (entry := self.engine.choices.get(f.request_id)) is not None:
+                self.engine._fail_stream(entry[0], RequestFailed(f.code, f.message))
+
+    def _quarantine(self) -> None:
+        """The compute plane failed with a step in flight: its requests are suspects; one
+        that was in flight MAX_COMPUTE_FAILURES times in a row is failed, not re-sent."""
+        # Each request once per failure, whichever of the steps in flight hold it.
+        reqs = {req: None for out in self._in_flight for req, _ in out.scheduled()}
+        self._in_flight.clear()
+        for req in reqs:
+            rid = req.request_id
+            count = self._suspects[rid] = self._suspects.get(rid, 0) + 1
+            if (
+                count >= MAX_COMPUTE_FAILURES
+                and (entry := self.engine.choices.get(rid)) is not None
+            ):
+                del self._suspects[rid]
+                log.error(
+                    "request failed: in flight each of %d times the compute plane failed",
+                    count,
+                    extra={"request_id": entry[0].stream_id},
+                )
+                message = (
+                    f"the compute plane failed {count} times in a row while computing this "
+                    "request; it is not retried"
+                )
+                self.engine._fail_stream(entry[0], RequestFailed("INTERNAL", message))
+
+    def _clear_suspects(self, out: SchedulerOutput) -> None:
+        """A step ran: its requests are no longer suspects (the count is "in a row")."""
+        for req, _ in out.scheduled():
+            self._suspects.pop(req.request_id, None)
+        for rid in [r for r in self._suspects if r not in self.engine.choices]:
+            del self._suspects[rid]  # ended meanwhile
+        if self._held:
+            self._next_suspect()
+
+    def _observe_pool(self) -> None:
+        """Gauges and the counters the scheduler keeps, pushed to Prometheus."""
+        sched = self.scheduler
+        if sched is None:
+            return
+        m = self.plane_labels
+        st = sched.make_stats()
+        lm = self._loop_metrics
+        lm.running.set(st.num_running)
+        lm.waiting.set(st.num_waiting)
+        lm.kv_usage.set(st.kv.usage)
+        for key, now, counter in (
+            ("preemptions", st.num_preemptions, metrics.preemptions),
+            ("queries", st.kv.prefix_queries, metrics.prefix_queries),
+            ("hits", st.kv.prefix_hits, metrics.prefix_hits),
+        ):
+            if now > self._seen[key]:
+                counter.labels(**m).inc(now - self._seen[key])
+                self._seen[key] = now
+
+    def _to_step(self, out: SchedulerOutput) -> cpb.StepRequest:
+        step = cpb.StepRequest(step_id=self._step_id, finished_ids=out.finished_ids)
+        for s in out.new:
+            r = s.request
+            step.new_requests.add(
+                request_id=r.request_id,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=s.num_computed_tokens,
+                num_scheduled_tokens=s.num_scheduled_tokens,
+                block_ids=s.block_ids,
+                sampling=r.sampling,
+                traceparent=r.traceparent,
+            )
+        # One token in the blocks it holds: the id alone says it.
+        decode_ids = [r.request_id for r in out.decodes]
+        for c in out.continuing:
+            if c.num_scheduled_tokens == 1 and not c.new_block_ids:
+                decode_ids.append(c.request.request_id)
+            else:
+                step.continuing.add(
+                    request_id=c.request.request_id,
+                    new_block_ids=c.new_block_ids,
+                    num_scheduled_tokens=c.num_scheduled_tokens,
+                )
+        step.decode_ids.extend(decode_ids)
+        for req, proposal in out.proposals.items():
+            if isinstance(proposal, int):
+                step.proposals.add(request_id=req.request_id, num_draft_tokens=proposal)
+            else:
+                step.proposals.add(request_id=req.request_id, token_ids=proposal)
+        for req, n in out.scheduled():
+            g = req.grammar
+            if (
+                g is not None
+                and g.mask is not None
+                and req.num_computed_tokens + n == req.num_tokens
+            ):
+                mask = step.masks.add()
+                mask.CopyFrom(g.mask)
+                mask.request_id = req.request_id
+        return step
+
+    def _emit(
+        self,
+        result: cpb.StepResult,
+        sampled: dict[str, int],
+        accepted: dict[str, list[int]] | None = None,
+    ) -> None:
+        """Step k's tokens to their streams (while step k+1 runs)."""
+        self.engine.outputs.process(result, sampled, self._loop_metrics, accepted)
+
+    def _park(self) -> None:
+        """Keep every request (tokens and all) for the next compute plane; drop the pool."""
+        sched = self.scheduler
+        self.scheduler = None
+        if sched is None:
+            return
+        parked: list[tuple[Request, Request | None]] = [
+            (r, None) for r in (*sched.running, *sched.waiting)
+        ]
+        for parent_id, siblings in sched.pending_forks.items():
+            parked += [(s, sched.requests[parent_id]) for s in siblings]
+        for req, _ in parked:
+            req.drop_pending()  # the steps in flight are lost: their tokens never came
+            req.num_computed_tokens = 0
+            req.sent_to_compute = False
+            req.status = Status.WAITING
+        self._parked = parked + self._held
+        self._held = []
+
+    def _readmit(self) -> None:
+        """Queue the parked requests on the new scheduler, suspects one at a time (the
+        rest wait in `_held`); those that no longer fit fail."""
+        parked, self._parked = self._parked, []
+        on_trial = False
+        for req, parent in parked:
+            if req.request_id in self._suspects:
+                if on_trial:
+                    self._held.append((req, parent))
+                    continue
+                on_trial = True
+            self._queue_again(req, parent)
+        if parked:
+            log.info(
+                "compute plane %s: %d requests re-admitted (%d suspects wait their turn)",
+                self.address,
+                len(parked) - len(self._held),
+                len(self._held),
+            )
+            self._wake.set()
+
+    def _queue_again(self, req: Request, parent: Request | None) -> None:
+        sched = self.scheduler
+        assert sched is not None
+        entry = self.engine.choices.get(req.request_id)
+        if entry is None:
+            return  # cancelled while the compute plane was away
+        try:
+            sched.add_request(req, fork_of=parent)
+        except (AdmissionError, QueueFullError) as e:
+            self.engine._fail_stream(entry[0], e)
+
+    def _next_suspect(self) -> None:
+        """The suspect on trial ran a step or ended: queue the next one."""
+        held = {r.request_id for r, _ in self._held}
+        if any(rid in self.engine.choices and rid not in held for rid in self._suspects):
+            return  # one is still on trial
+        while self._held:
+            req, parent = self._held.pop(0)
+            if req.request_id in self.engine.choices:
+                self._queue_again(req, parent)
+                self._wake.set()
+                return
+
+    def _fail_all(self, error: Exception) -> None:
+        """The compute plane stayed away and no other takes its requests: fail them."""
+        streams = {}
+        for req, _ in self._parked + self._held:
+            if (entry := self.engine.choices.get(req.request_id)) is not None:
+                streams[entry[0].stream_id] = entry[0]
+        self._parked, self._held, self._suspects = [], [], {}
+        for stream in streams.values():
+            self.engine._fail_stream(stream, ComputeUnavailable(f"compute plane lost: {error}"))
+        self.scheduler = None
+        lm = self._loop_metrics
+        for gauge in (lm.running, lm.waiting, lm.kv_usage):
+            gauge.set(0)

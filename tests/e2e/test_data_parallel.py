@@ -1,0 +1,259 @@
+"""One control plane, several compute planes (data parallel): placement, failover, joins.
+
+Real processes: compute planes and a control plane on loopback, driven through the
+control plane's public gRPC API with the bundled model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from hetero_infer.local import child, free_port
+from hetero_proto import compute_pb2 as cpb
+from hetero_proto import compute_pb2_grpc as cpb_grpc
+from hetero_proto import control_pb2_grpc as pb_grpc
+from tests.e2e_helpers import generate, greedy
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 40
+
+
+def _compute_cmd(port: int) -> list[str]:
+    return [
+        "compute-plane",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "-1",
+        "--num-threads",
+        "1",
+        "--kv-cache-bytes",
+        str(64 << 20),
+    ]
+
+
+def _control_cmd(port: int, metrics_port: int, compute: str, *extra: str) -> list[str]:
+    return [
+        "control-plane",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        "--compute",
+        compute,
+        "--compute-timeout",
+        "600",  # a request waiting for a dead plane would show as a test timeout
+        *extra,
+    ]
+
+
+@contextlib.contextmanager
+def _computes(n: int) -> Iterator[tuple[list[str], list[subprocess.Popen[bytes]]]]:
+    ports = [free_port() for _ in range(n)]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    with contextlib.ExitStack() as stack:
+        procs = [
+            stack.enter_context(child(_compute_cmd(p), a))
+            for p, a in zip(ports, addresses, strict=True)
+        ]
+        yield addresses, procs
+
+
+def _stats(address: str) -> cpb.StatsResponse:
+    with grpc.insecure_channel(address) as ch:
+        return cpb_grpc.ComputePlaneStub(ch).Stats(cpb.StatsRequest(), timeout=30)
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    """One sample of the control plane's /metrics (0 when absent)."""
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _prompts(seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 49000) for _ in range(n)] for n in (5, 40, 12, 90, 3, 60, 25, 8)]
+
+
+class _Streams:
+    """Greedy streams on threads, their tokens collected as they come."""
+
+    def __init__(
+        self, stub: pb_grpc.ControlPlaneStub, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+    ) -> None:
+        self.max_tokens = max_tokens
+        self.got: list[list[int]] = [[] for _ in prompts]
+        self.errors: list[BaseException] = []
+        self.threads = [
+            threading.Thread(target=self._run, args=(stub, i, p)) for i, p in enumerate(prompts)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, stub: pb_grpc.ControlPlaneStub, i: int, prompt: list[int]) -> None:
+        try:
+            for resp in stub.Generate(greedy(prompt, self.max_tokens), timeout=300):
+                for c in resp.choices:
+                    self.got[i].extend(c.token_ids)
+        except BaseException as e:
+            self.errors.append(e)
+
+    def wait_tokens(self, n: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while min(len(g) for g in self.got) < n:
+            assert time.monotonic() < deadline and not self.errors, self.errors
+            time.sleep(0.01)
+
+    def join(self, timeout: float = 300) -> list[list[int]]:
+        for t in self.threads:
+            t.join(timeout=timeout)
+        assert not self.errors, self.errors
+        return self.got
+
+
+def test_streams_survive_one_of_two_compute_planes_dying() -> None:
+    """kill -9 one of two compute planes with 8 greedy streams running: its requests move
+    to the other at once (the dead plane never comes back; the control plane would wait
+    600 s for it), every text equals the uninterrupted run's."""
+    cport, cmetrics = free_port(), free_port()
+    control = f"127.0.0.1:{cport}"
+    url = f"http://127.0.0.1:{cmetrics}/metrics"
+    with (
+        _computes(2) as (computes, procs),
+        child(_control_cmd(cport, cmetrics, ",".join(computes)), control),
+        grpc.insecure_channel(control) as ch,
+    ):
+        stub = pb_grpc.ControlPlaneStub(ch)
+        expected = [generate(stub, greedy(p, MAX_TOKENS)).tokens[0] for p in _prompts()]
+        before = [_stats(a).num_requests_added for a in computes]
+        streams = _Streams(stub, _prompts())
+        streams.wait_tokens(5)
+        added = [_stats(a).num_requests_added - b for a, b in zip(computes, before, strict=True)]
+        assert all(n >= 2 for n in added), f"both planes should hold streams: {added}"
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        killed = time.monotonic()
+        assert max(len(g) for g in streams.got) < MAX_TOKENS
+        assert streams.join() == expected
+        assert time.monotonic() - killed < 120
+        moved = _metric(url, "hetero_routed_requests_total", compute=computes[1], reason="moved")
+        assert moved >= 2, moved
+        assert _metric(url, "hetero_compute_attached", compute=computes[0]) == 0
+        assert _metric(url, "hetero_compute_attached", compute=computes[1]) == 1
+
+
+def _timed(stub: pb_grpc.ControlPlaneStub, prompt: list[int]) -> tuple[float, list[int]]:
+    """(seconds to the first token, the tokens) of one greedy request."""
+    start = time.monotonic()
+    first = None
+    tokens: list[int] = []
+    for resp in stub.Generate(greedy(prompt, 4), timeout=300):
+        for c in resp.choices:
+            if c.token_ids and first is None:
+                first = time.monotonic() - start
+            tokens.extend(c.token_ids)
+    assert first is not None
+    return first, tokens
+
+
+def test_shared_prefixes_meet_their_prefix_cache() -> None:
+    """Requests sharing a 512-token prefix go where it is cached: the two compute planes
+    compute it once each at most (their Stats count prompt tokens computed), and the
+    later requests' time to first token shows the hit."""
+    cport, cmetrics = free_port(), free_port()
+    control = f"127.0.0.1:{cport}"
+    url = f"http://127.0.0.1:{cmetrics}/metrics"
+    rng = random.Random(11)
+    prefix = [rng.randrange(100, 49000) for _ in range(512)]
+    suffixes = [[rng.randrange(100, 49000) for _ in range(8)] for _ in range(8)]
+    with (
+        _computes(2) as (computes, _),
+        child(_control_cmd(cport, cmetrics, ",".join(computes)), control),
+        grpc.insecure_channel(control) as ch,
+    ):
+        stub = pb_grpc.ControlPlaneStub(ch)
+        _timed(stub, [5, 6, 7])  # both planes warm
+        _timed(stub, [8, 9, 10])
+        before = sum(_stats(a).num_prompt_tokens_computed for a in computes)
+        cold, _ = _timed(stub, prefix + suffixes[0])
+        results: list[tuple[float, list[int]] | BaseException] = [ValueError()] * 7
+
+        def run(i: int) -> None:
+            try:
+                results[i] = _timed(stub, prefix + suffixes[i + 1])
+            except BaseException as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        timed = [r for r in results if not isinstance(r, BaseException)]
+        assert len(timed) == 7, results
+        computed = sum(_stats(a).num_prompt_tokens_computed for a in computes) - before
+        # The prefix once (both planes: twice at most), then each request's own tokens and
+        # the partial block before them.
+        assert computed <= 2 * 512 + 8 * (8 + 16), computed
+        warm = sorted(t for t, _ in timed)
+        assert warm[len(warm) // 2] < cold, (cold, warm)
+        hits = sum(
+            _metric(url, "hetero_routed_requests_total", compute=a, reason="prefix")
+            for a in computes
+        )
+        assert hits >= 7, hits
+
+
+def test_compute_planes_join_and_leave_a_running_stack(tmp_path: Path) -> None:
+    """The control plane reads its compute planes from a file: a plane added there gets
+    new requests within seconds; a plane removed hands its running requests to the other
+    (none lost, texts unchanged)."""
+    cport, cmetrics = free_port(), free_port()
+    control = f"127.0.0.1:{cport}"
+    listing = tmp_path / "compute.txt"
+    with _computes(2) as (computes, _):
+        listing.write_text(computes[0] + "\n")
+        cmd = _control_cmd(cport, cmetrics, f"file:{listing}", "--compute-resolve-interval", "0.3")
+        with child(cmd, control), grpc.insecure_channel(control) as ch:
+            stub = pb_grpc.ControlPlaneStub(ch)
+            expected = [generate(stub, greedy(p, MAX_TOKENS)).tokens[0] for p in _prompts()]
+            assert _stats(computes[1]).num_requests_added == 0
+
+            # A plane joins: within seconds a new request lands on it.
+            streams = _Streams(stub, _prompts()[:4])
+            streams.wait_tokens(3)
+            listing.write_text(f"{computes[0]}\n{computes[1]}  # added\n")
+            deadline = time.monotonic() + 20
+            while _stats(computes[1]).num_requests_added == 0:
+                assert time.monotonic() < deadline, "the new compute plane got no request"
+                generate(stub, greedy([11, 12, 13], 2))
+            later = _Streams(stub, _prompts()[4:])
+            later.wait_tokens(3)
+            first = streams.join() + later.join()
+            assert first == expected
+
+            # A plane leaves (gone from the file) while streams run on both.
+            long = _Streams(stub, _prompts(), max_tokens=160).join()  # reference
+            streams = _Streams(stub, _prompts(), max_tokens=160)
+            streams.wait_tokens(5)
+            held = [_stats(a).num_active_requests for a in computes]
+            assert held[0] >= 1 and held[1] >= 1, held
+            listing.write_text(computes[1] + "\n")
+            assert streams.join() == long
+            url = f"http://127.0.0.1:{cmetrics}/metrics"
+            assert _metric(url, "hetero_compute_attached", compute=computes[0]) == 0
+            moved = _metric(url, "hetero_routed_requests_total", reason="moved")
+            assert moved >= 1, moved
