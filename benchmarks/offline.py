@@ -134,11 +134,13 @@ def run_grpc(
     work: list[Request],
     compute_args: tuple[str, ...] = (),
     control_args: tuple[str, ...] = (),
+    num_compute: int = 1,
 ) -> dict[str, Any]:
     """The workload through the path users deploy: a compute plane and a control plane,
     each its own process, and this process calling the control plane's gRPC `Generate`
     for every request at once (token-id prompts, greedy, EOS ignored). No gateway: the
-    figure is the two planes' and their gRPC hop's."""
+    figure is the two planes' and their gRPC hop's. `num_compute`: compute planes behind
+    the control plane (data parallel)."""
     import grpc
 
     from hetero_infer.local import local_planes
@@ -146,7 +148,11 @@ def run_grpc(
     from hetero_proto import control_pb2_grpc as pb_grpc
 
     with local_planes(
-        model, extra_compute=compute_args, extra_control=control_args, metrics_ports=(-1, -1)
+        model,
+        extra_compute=compute_args,
+        extra_control=control_args,
+        metrics_ports=(-1, -1),
+        num_compute=num_compute,
     ) as control:
 
         async def main() -> tuple[float, list[int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import queue
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -45,11 +46,14 @@ class RunStream:
 
 
 @pytest.fixture(scope="module")
-def channel() -> Iterator[grpc.Channel]:
-    with (
-        compute_plane("--kv-cache-bytes", str(KV_BYTES)) as address,
-        grpc.insecure_channel(address) as ch,
-    ):
+def address() -> Iterator[str]:
+    with compute_plane("--kv-cache-bytes", str(KV_BYTES)) as address:
+        yield address
+
+
+@pytest.fixture(scope="module")
+def channel(address: str) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(address) as ch:
         yield ch
 
 
@@ -220,3 +224,37 @@ def test_malformed_steps_are_rejected_and_others_go_on(stub, greedy_reference) -
     stats = stub.Stats(pb.StatsRequest())
     assert stats.num_active_requests == 1
     assert stats.num_failed_requests == len(request_cases) and stats.num_resets == 0
+
+
+def test_one_control_plane_drives_it_at_a_time(stub, address) -> None:  # type: ignore[no-untyped-def]
+    """While a control plane's Run stream is open, another connection's Reset and Run are
+    refused (its block pool owns this KV cache); once the stream ends, it may take over."""
+    run = RunStream(stub)
+    run.send(pb.StepRequest(step_id=1))
+    # A separate connection, as another control plane process has.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(address, options=options) as other:
+        rival = pb_grpc.ComputePlaneStub(other)
+        rival.Describe(pb.DescribeRequest(), timeout=30)  # anyone may look
+        with pytest.raises(grpc.RpcError) as refused:
+            rival.Reset(pb.ResetRequest(), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "driven by another control plane" in (refused.value.details() or "")
+        rival_run = RunStream(rival)
+        with pytest.raises(grpc.RpcError) as refused:
+            rival_run.send(pb.StepRequest(step_id=1))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        stub.Reset(pb.ResetRequest(), timeout=30)  # the driver's own connection may
+        run.close()
+        for _ in range(100):  # the server sees the stream end
+            try:
+                rival.Reset(pb.ResetRequest(), timeout=30)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+                time.sleep(0.05)
+        else:
+            raise AssertionError("the compute plane stayed claimed after the stream ended")
+        taken = RunStream(rival)
+        assert taken.send(pb.StepRequest(step_id=2)).step_id == 2
+        taken.close()
