@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,21 @@ def of_kind(objs: tuple[dict[str, Any], ...], kind: str) -> dict[str, dict[str, 
     return {o["metadata"]["name"]: o for o in objs if o["kind"] == kind}
 
 
+def selects(objs: tuple[dict[str, Any], ...], match_labels: dict[str, str]) -> list[str]:
+    """The Deployments whose pods carry all of these labels."""
+    return [
+        name
+        for name, d in of_kind(objs, "Deployment").items()
+        if match_labels.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    ]
+
+
+def addresses(setting: str) -> list[tuple[str, int]]:
+    """A `compute` or `control` setting: comma-separated HOST:PORT."""
+    hosts = [item.strip().rpartition(":") for item in setting.split(",")]
+    return [(host, int(port)) for host, _, port in hosts]
+
+
 def servicemonitor_schema() -> dict[str, Any]:
     crd = yaml.safe_load(
         (Path(__file__).parent / "data/monitoring.coreos.com_servicemonitors.yaml").read_text()
@@ -83,13 +99,16 @@ def test_validators_reject_bad_objects() -> None:
         jsonschema.validate(wrong, servicemonitor_schema())
 
 
-def test_gpu_overlay_schedules_a_gpu_and_cpu_overlay_does_not() -> None:
-    def limits(target: str) -> dict[str, Any]:
+def test_gpu_overlay_schedules_a_gpu_per_compute_replica_and_cpu_overlay_none() -> None:
+    def resources(target: str) -> dict[str, Any]:
         compute = of_kind(render(target), "Deployment")["hetero-compute"]
-        return dict(compute["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"])
+        return dict(compute["spec"]["template"]["spec"]["containers"][0]["resources"])
 
-    assert limits("overlays/gpu")["nvidia.com/gpu"] == 1
-    assert "nvidia.com/gpu" not in limits("overlays/cpu")
+    gpu = resources("overlays/gpu")
+    assert gpu["requests"]["nvidia.com/gpu"] == gpu["limits"]["nvidia.com/gpu"] == 1
+    assert of_kind(render("overlays/gpu"), "Deployment")["hetero-compute"]["spec"]["replicas"] >= 2
+    cpu = resources("overlays/cpu")
+    assert "nvidia.com/gpu" not in cpu["requests"] and "nvidia.com/gpu" not in cpu["limits"]
     assert of_kind(render("overlays/gpu"), "ServiceMonitor")
     assert of_kind(render("overlays/gpu"), "PersistentVolumeClaim")
 
@@ -127,7 +146,8 @@ def test_manifests_agree_with_the_code(target: str) -> None:
     gateway_routes = {getattr(r, "path", "") for r in create_app(GatewayConfig()).routes}
     for plane in CONFIGS:
         cfg = plane_config(objs, plane)
-        deployment = deployments[f"hetero-{plane}"]
+        name = f"hetero-{plane}"
+        deployment = deployments[name]
         pod = deployment["spec"]["template"]
         c = container(deployment)
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -162,18 +182,145 @@ def test_manifests_agree_with_the_code(target: str) -> None:
         sc = c["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
-        # The Service fronts the named ports with the same numbers.
-        svc = services[f"hetero-{plane}"]
-        for p in svc["spec"]["ports"]:
-            assert p["port"] == ports[p["targetPort"]]
-        assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    # Each plane dials the next one's Service on its port.
-    control, gateway = plane_config(objs, "control"), plane_config(objs, "gateway")
-    compute = plane_config(objs, "compute")
-    assert control.compute == f"hetero-compute:{compute.port}"
-    assert gateway.control == f"hetero-control:{control.port}"
+        # Each of the plane's Services fronts its named ports with the same numbers.
+        fronting = [s for s in services.values() if selects(objs, s["spec"]["selector"]) == [name]]
+        assert services[name] in fronting
+        for svc in fronting:
+            for p in svc["spec"]["ports"]:
+                assert p["port"] == ports[p["targetPort"]]
+    assert all(len(selects(objs, s["spec"]["selector"])) == 1 for s in services.values())
     hpa = of_kind(objs, "HorizontalPodAutoscaler")["hetero-gateway"]
     assert hpa["spec"]["scaleTargetRef"]["name"] in deployments
+
+
+def check_dials_headless(
+    objs: tuple[dict[str, Any], ...], setting: str, plane: str, port: int
+) -> None:
+    """Every host in `setting` is a headless Service over the plane's ready pods, so that
+    it resolves to one address per pod (a virtual IP would hide all replicas behind one)."""
+    services = of_kind(objs, "Service")
+    for host, dialed in addresses(setting):
+        assert host in services, f"{setting!r} names no Service"
+        spec = services[host]["spec"]
+        assert spec.get("clusterIP") == "None", f"Service {host} is not headless"
+        assert spec.get("publishNotReadyAddresses", False) is False, f"{host}: unready in DNS"
+        assert selects(objs, spec["selector"]) == [f"hetero-{plane}"], f"{host} is not {plane}"
+        assert dialed == port, f"{setting!r}: {plane} listens on {port}"
+
+
+def check_scale_out(objs: tuple[dict[str, Any], ...]) -> None:
+    """The planes find each other through headless Services, and the replica counts add
+    up: R >= 2 control planes each claim max_compute_planes of the N compute planes."""
+    control, compute = plane_config(objs, "control"), plane_config(objs, "compute")
+    check_dials_headless(objs, control.compute, "compute", compute.port)
+    check_dials_headless(objs, plane_config(objs, "gateway").control, "control", control.port)
+    deployments = of_kind(objs, "Deployment")
+    r = deployments["hetero-control"]["spec"]["replicas"]
+    n = deployments["hetero-compute"]["spec"]["replicas"]
+    assert r >= 2, f"{r} control plane(s): one drain or crash stops the service"
+    cap = control.max_compute_planes
+    assert cap >= 1, "no cap: the first control plane up claims every compute plane"
+    assert n == r * cap, f"{n} compute planes != {r} control planes x max_compute_planes {cap}"
+    for plane in ("compute", "control"):
+        strategy = deployments[f"hetero-{plane}"]["spec"]["strategy"]
+        # A surged pod finds no free GPU (compute) or no free compute plane (control).
+        assert strategy["type"] == "RollingUpdate", plane
+        assert strategy["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}, plane
+
+
+def check_disruption_budgets(objs: tuple[dict[str, Any], ...]) -> None:
+    """One PDB per Deployment, selecting its pods; compute and control planes are evicted
+    one at a time, and control planes and gateways always keep one serving."""
+    deployments = of_kind(objs, "Deployment")
+    budgets: dict[str, dict[str, Any]] = {}
+    for name, pdb in of_kind(objs, "PodDisruptionBudget").items():
+        selector = pdb["spec"]["selector"]
+        assert selector.keys() == {"matchLabels"}, name
+        targets = selects(objs, selector["matchLabels"])
+        assert len(targets) == 1, f"PDB {name} selects the pods of {targets}"
+        assert targets[0] not in budgets, f"two PDBs for {targets[0]}"
+        budgets[targets[0]] = pdb["spec"]
+    assert budgets.keys() == deployments.keys()
+    for plane in ("compute", "control"):
+        assert budgets[f"hetero-{plane}"].get("maxUnavailable") == 1, plane
+    for plane in ("control", "gateway"):
+        spec, replicas = budgets[f"hetero-{plane}"], deployments[f"hetero-{plane}"]["spec"]
+        kept = spec.get("minAvailable", replicas["replicas"] - spec.get("maxUnavailable", 0))
+        assert isinstance(kept, int) and kept >= 1, f"{plane}: evictions may take every pod"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_planes_scale_out_behind_headless_services(target: str) -> None:
+    check_scale_out(render(target))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_workload_has_a_disruption_budget(target: str) -> None:
+    check_disruption_budgets(render(target))
+
+
+def edited(
+    objs: tuple[dict[str, Any], ...], kind: str, name: str, edit: Callable[[dict[str, Any]], Any]
+) -> tuple[dict[str, Any], ...]:
+    """A deep copy of the rendered objects with one of them edited."""
+    copy = tuple(json.loads(json.dumps(o)) for o in objs)
+    (obj,) = [o for o in copy if o["kind"] == kind and o["metadata"]["name"] == name]
+    edit(obj)
+    return copy
+
+
+def edit_config(plane: str, key: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(configmap: dict[str, Any]) -> None:
+        data = json.loads(configmap["data"][f"{plane}.json"])
+        configmap["data"][f"{plane}.json"] = json.dumps(data | {key: value})
+
+    return edit
+
+
+def test_scale_out_checks_catch_broken_manifests() -> None:
+    """The two checks above can fail: each edit below breaks one promise."""
+    objs = render("overlays/gpu")
+    (cm,) = of_kind(objs, "ConfigMap").keys()
+    breaks: list[tuple[str, str, Callable[[dict[str, Any]], Any]]] = [
+        ("Service", "hetero-compute", lambda o: o["spec"].pop("clusterIP")),
+        ("Service", "hetero-control-headless", lambda o: o["spec"].update(clusterIP="10.0.0.9")),
+        ("Service", "hetero-compute", lambda o: o["spec"].update(publishNotReadyAddresses=True)),
+        ("ConfigMap", cm, edit_config("gateway", "control", "hetero-control:50051")),
+        ("ConfigMap", cm, edit_config("control", "compute", "hetero-compute:50051")),
+        ("ConfigMap", cm, edit_config("control", "max_compute_planes", 2)),
+        ("Deployment", "hetero-control", lambda o: o["spec"].update(replicas=1)),
+        ("Deployment", "hetero-compute", lambda o: o["spec"].update(replicas=3)),
+        ("Deployment", "hetero-control", lambda o: o["spec"]["strategy"].update(type="Recreate")),
+    ]
+    for kind, name, edit in breaks:
+        with pytest.raises(AssertionError):
+            check_scale_out(edited(objs, kind, name, edit))
+    pdb_breaks: list[tuple[str, Callable[[dict[str, Any]], Any]]] = [
+        ("hetero-control", lambda o: o["spec"]["selector"]["matchLabels"].update(x="y")),
+        ("hetero-gateway", lambda o: o["spec"].update(minAvailable=0)),
+        ("hetero-compute", lambda o: o["spec"].update(maxUnavailable=2)),
+    ]
+    for name, edit in pdb_breaks:
+        with pytest.raises(AssertionError):
+            check_disruption_budgets(edited(objs, "PodDisruptionBudget", name, edit))
+
+
+def test_servicemonitor_scrapes_each_plane_once() -> None:
+    """Headless Services are Services too: the one the gateways dial must not make the
+    ServiceMonitor scrape the control planes a second time."""
+    objs = render("overlays/gpu")
+    (monitor,) = of_kind(objs, "ServiceMonitor").values()
+    wanted = monitor["spec"]["selector"]["matchLabels"].items()
+    endpoint_ports = {e["port"] for e in monitor["spec"]["endpoints"]}
+    scraped = [
+        plane
+        for svc in of_kind(objs, "Service").values()
+        if wanted <= svc["metadata"]["labels"].items()
+        for port in svc["spec"]["ports"]
+        if port["name"] in endpoint_ports
+        for plane in selects(objs, svc["spec"]["selector"])
+    ]
+    assert sorted(scraped) == sorted(of_kind(objs, "Deployment"))
 
 
 @pytest.mark.parametrize("dockerfile", sorted((ROOT / "deploy/docker").glob("*.Dockerfile")))
