@@ -269,14 +269,19 @@ class Engine:
             max_speculative_tokens=self.config.max_speculative_tokens,
         )
 
-    def reset(self, failed: bool = False) -> None:
-        """Forget every request; `failed`: after a step raised (counted in num_resets)."""
+    def drop_requests(self, why: str = "reset") -> None:
+        """Forget every request (their KV slots are free to overwrite)."""
         for state in self.requests.values():
-            state.span.end(error="reset")
+            state.span.end(error=why)
         self.requests.clear()
         self.failed_alone.clear()
         if self.drafter is not None:
             self.drafter.reset()
+
+    def reset(self, failed: bool = False) -> None:
+        """Forget every request and zero the counters; `failed`: after a step raised
+        (counted in num_resets)."""
+        self.drop_requests()
         c = self.counters
         self.counters = pb.StatsResponse(
             num_failed_requests=c.num_failed_requests, num_resets=c.num_resets + failed

@@ -101,6 +101,9 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         finally:
             if self._driver_stream is stream:
                 self._driver = self._driver_stream = None
+                # Its control plane is gone or moved its requests elsewhere (a new one
+                # resets anyway): a drain need not wait for them.
+                await self._call(engine.drop_requests, "control plane gone")
 
     async def _steps(
         self,

@@ -404,8 +404,9 @@ class ComputePlane:
             if result.failed:
                 self._fail_requests(result.failed)
             if result.draining and not self._compute_draining:
-                log.info("the compute plane is draining: new requests wait for the next one")
+                log.info("compute plane %s is draining: it starts no new request", self.address)
                 self._compute_draining = True
+                self._shed_waiting()
             sampled = sampled_tokens(result)
             accepted = None
             if self.engine.config.async_scheduling:
@@ -631,6 +632,28 @@ class ComputePlane:
             req.status = Status.WAITING
         self._parked = parked + self._held
         self._held = []
+
+    def _shed_waiting(self) -> None:
+        """The compute plane drains: its waiting requests (of one choice) move to the
+        other compute planes rather than wait for it to be replaced."""
+        sched = self.scheduler
+        if sched is None or not any(
+            p.accepting for p in self.engine.planes.values() if p is not self
+        ):
+            return
+        moving: list[tuple[Request, Request | None]] = []
+        for req in list(sched.waiting):
+            entry = self.engine.choices.get(req.request_id)
+            if entry is None or len(entry[0].choices) != 1:
+                continue
+            sched.abort(req.request_id)  # frees its blocks; the compute plane forgets it
+            req.drop_pending()
+            req.status = Status.WAITING
+            req.num_computed_tokens = 0
+            moving.append((req, None))
+        if moving:
+            self._parked.extend(moving)
+            self.engine.rehome(self)
 
     def _readmit(self) -> None:
         """Queue the parked requests on the new scheduler, suspects one at a time (the

@@ -257,3 +257,36 @@ def test_compute_planes_join_and_leave_a_running_stack(tmp_path: Path) -> None:
             assert _metric(url, "hetero_compute_attached", compute=computes[0]) == 0
             moved = _metric(url, "hetero_routed_requests_total", reason="moved")
             assert moved >= 1, moved
+
+
+def test_a_draining_compute_plane_hands_over_its_waiting_requests() -> None:
+    """SIGTERM one of two compute planes (each runs 2 requests at a time, so others wait):
+    it finishes its running requests, its waiting ones move to the other plane at once,
+    and it exits long before its drain timeout; every text equals the uninterrupted run's."""
+    cport, cmetrics = free_port(), free_port()
+    control = f"127.0.0.1:{cport}"
+    url = f"http://127.0.0.1:{cmetrics}/metrics"
+    ports = [free_port() for _ in range(2)]
+    computes = [f"127.0.0.1:{p}" for p in ports]
+    cmd = _control_cmd(cport, cmetrics, ",".join(computes), "--max-num-seqs", "2")
+    with contextlib.ExitStack() as stack:
+        procs = [
+            stack.enter_context(child([*_compute_cmd(p), "--drain-timeout", "120"], a))
+            for p, a in zip(ports, computes, strict=True)
+        ]
+        stack.enter_context(child(cmd, control))
+        stub = pb_grpc.ControlPlaneStub(stack.enter_context(grpc.insecure_channel(control)))
+        expected = _Streams(stub, _prompts()).join()
+        streams = _Streams(stub, _prompts())
+        deadline = time.monotonic() + 120
+        while sum(len(g) >= 5 for g in streams.got) < 2:
+            assert time.monotonic() < deadline and not streams.errors, streams.errors
+            time.sleep(0.01)
+        assert sum(not g for g in streams.got) >= 2  # some wait
+        procs[0].send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        assert streams.join() == expected
+        procs[0].wait(timeout=60)
+        assert time.monotonic() - signalled < 60  # its drain timeout is 120 s
+        moved = _metric(url, "hetero_routed_requests_total", compute=computes[1], reason="moved")
+        assert moved >= 1, moved
