@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from control_plane.discovery import targets
 from control_plane.speculative import SpeculativeConfig
+from hetero_common.discovery import targets
 from hetero_common.server_config import GrpcServerConfig
 from hetero_common.tls import ClientTLS
 

@@ -20,7 +20,6 @@ from control_plane import metrics
 from control_plane.block_pool import BlockHash, chain_hash
 from control_plane.compute_client import ComputeClient, ComputeLink, ComputeLinkError
 from control_plane.config import ControlConfig
-from control_plane.discovery import is_static, resolve
 from control_plane.grammar import Grammars
 from control_plane.input_processor import InputProcessor
 from control_plane.output_processor import OutputProcessor
@@ -34,6 +33,7 @@ from control_plane.plane import (
 from control_plane.request import Request, Status
 from control_plane.scheduler import Scheduler
 from control_plane.tokenizer import TokenizerWrapper
+from hetero_common.discovery import resolve, static_addresses
 from hetero_common.logs import valid_request_id
 from hetero_common.tracing import start_span
 from hetero_proto import compute_pb2 as cpb
@@ -116,9 +116,12 @@ class ControlEngine:
         if self._link is not None:
             self._add_plane(self._link)
             return
-        self._update_planes(await resolve(self.config.compute))
-        if not is_static(self.config.compute):
-            self._discovery = asyncio.create_task(self._discover(), name="compute-discovery")
+        spec = self.config.compute
+        if (found := static_addresses(spec)) is not None:
+            self._update_planes(found)
+            return
+        self._update_planes(await resolve(spec) or {})
+        self._discovery = asyncio.create_task(self._discover(), name="compute-discovery")
 
     async def stop(self) -> None:
         if self._discovery is not None:
@@ -132,10 +135,11 @@ class ControlEngine:
             await asyncio.sleep(self.config.compute_resolve_interval)
             try:
                 addresses = await resolve(self.config.compute)
-            except Exception:  # a bad file or name this time: keep what we have
-                log.exception("resolving the compute planes failed")
+            except ValueError as e:  # a malformed file this time: keep what we have
+                log.error("compute planes: %s", e)
                 continue
-            self._update_planes(addresses)
+            if addresses is not None:  # None: the resolver failed; keep what we have
+                self._update_planes(addresses)
 
     def _update_planes(self, addresses: dict[str, str]) -> None:
         """Start driving the compute planes new in `addresses` (address -> host name),

@@ -21,11 +21,12 @@ from starlette.exceptions import HTTPException
 from gateway.auth import require_api_key
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
+from gateway.control_planes import ControlPlanes
 from gateway.errors import APIError, from_grpc, http_error
 from gateway.generation import chat_call, check_model, detokenize
 from gateway.metrics import instrument
-from gateway.multiplex import Multiplexer
 from gateway.request_id import RequestIdMiddleware
+from gateway.router import Router
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,40 +43,32 @@ from hetero_proto import control_pb2_grpc as pb_grpc
 
 
 class ControlLink:
-    """The gRPC channel to the control plane, and the served model's name."""
+    """The control planes behind the gateway, the router that runs generate calls on
+    them, and the served model's name."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.channel: grpc.aio.Channel | None = None
-        self.stub: pb_grpc.ControlPlaneStub | None = None
-        self.mux = Multiplexer(self.open)  # every generate call goes over its one stream
+        self.planes = ControlPlanes(config)
+        self.mux = Router(self.planes, config.control_retry_timeout)
         self._model: str | None = config.served_model_name
         self._defaults: dict[str, Any] | None = None
         if config.control_tls.enabled:  # read the certificates now: a bad path stops start-up
             config.control_tls.credentials()
 
+    async def start(self) -> None:
+        await self.planes.start()
+
     def open(self) -> pb_grpc.ControlPlaneStub:
-        if self.stub is None:
-            # One GenerateMany message holds a step's output for every request, and the
-            # admission of many long prompts at once: past gRPC's 4 MB default it would
-            # end the call, and every request on it.
-            options = [("grpc.max_receive_message_length", -1)]
-            self.channel = self.config.control_tls.aio_channel(self.config.control, options)
-            self.stub = pb_grpc.ControlPlaneStub(self.channel)
-        return self.stub
+        """A stub of a control plane that is up (for the unary calls)."""
+        return self.planes.stub()
 
     async def info(self, timeout: float = 2.0) -> pb.ModelInfoResponse:
-        try:
-            return await self.open().ModelInfo(pb.ModelInfoRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise APIError(
-                503, f"control plane unavailable: {e.code().name}", type="service_unavailable"
-            ) from e
+        """ModelInfo of a control plane with a compute plane attached, if any; else of
+        one that answers; APIError 503 when none answers."""
+        return await self.planes.info(timeout)
 
     async def close(self) -> None:
-        await self.mux.close()
-        if self.channel is not None:
-            await self.channel.close()
+        await self.planes.close()
 
     async def defaults(self) -> dict[str, Any]:
         """The model's generation_config.json sampling defaults (fetched once)."""
@@ -103,6 +96,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await link.start()
         yield
         await link.close()
 
@@ -227,7 +221,7 @@ async def _health() -> dict[str, str]:
 
 
 async def _ready(link: ControlLink) -> JSONResponse:
-    """Readiness: the control plane answers and has a compute plane attached."""
+    """Readiness: a control plane answers and has a compute plane attached."""
     try:
         info = await link.info(timeout=1.0)
     except APIError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from hetero_common.discovery import targets
 from hetero_common.server_config import ServerConfig
 from hetero_common.tls import ClientTLS
 
@@ -15,7 +16,26 @@ API_KEY_ENV = "HETERO_API_KEY"
 class GatewayConfig(ServerConfig):
     port: int = field(default=8000, metadata={"help": "HTTP port of the OpenAI API"})
     control: str = field(
-        default="127.0.0.1:50051", metadata={"help": "control plane address HOST:PORT"}
+        default="127.0.0.1:50051",
+        metadata={
+            "help": "control planes: HOST:PORT[,HOST:PORT...]; a host name stands for every "
+            "address it resolves to (a Kubernetes headless Service: one per ready pod), "
+            "read again every --control-resolve-interval seconds"
+        },
+    )
+    control_resolve_interval: float = field(
+        default=5.0,
+        metadata={
+            "help": "seconds between re-resolving --control's host names and probing "
+            "every control plane (planes join and leave)"
+        },
+    )
+    control_retry_timeout: float = field(
+        default=10.0,
+        metadata={
+            "help": "seconds a request whose control plane failed waits for another one "
+            "to be up before it fails with 503"
+        },
     )
     served_model_name: str | None = field(
         default=None, metadata={"help": "model name clients use (default: the control plane's)"}
@@ -70,9 +90,19 @@ class GatewayConfig(ServerConfig):
             object.__setattr__(self, "api_key", os.environ.get(API_KEY_ENV) or None)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        for name in ("request_timeout", "header_timeout", "body_timeout"):
+        targets(self.control)  # ValueError names a malformed address
+        for name in (
+            "request_timeout",
+            "header_timeout",
+            "body_timeout",
+            "control_resolve_interval",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.control_retry_timeout < 0:
+            raise ValueError(
+                f"control_retry_timeout must be >= 0, got {self.control_retry_timeout}"
+            )
         if self.max_idle_connections_per_ip < 1:
             raise ValueError(
                 f"max_idle_connections_per_ip must be >= 1, got {self.max_idle_connections_per_ip}"

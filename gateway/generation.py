@@ -1,6 +1,7 @@
 """Turn OpenAI requests into control-plane generate calls and collect their outputs.
 
-The calls go over the gateway's one GenerateMany stream (gateway.multiplex).
+The calls go over a GenerateMany stream to a control plane (gateway.multiplex), placed
+and moved on failure by the gateway's router (gateway.router).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import grpc
 
 from gateway import tool_calls
 from gateway.errors import APIError, from_grpc
-from gateway.multiplex import Item, Multiplexer
+from gateway.multiplex import Calls, Item
 from gateway.schemas import (
     INT32,
     ChatCompletionRequest,
@@ -234,7 +235,7 @@ StreamItem = tuple[list[Delta], pb.Usage | None, list[list[int]] | None]
 
 
 async def stream_calls(
-    mux: Multiplexer, calls: list[pb.GenerateRequest], timeout: float
+    mux: Calls, calls: list[pb.GenerateRequest], timeout: float
 ) -> AsyncGenerator[StreamItem, None]:
     """Run the calls concurrently; yield (deltas, usage when all are done, prompt ids when known).
 
@@ -256,6 +257,8 @@ async def stream_calls(
             if isinstance(item, BaseException):
                 raise item
             i, resp = item
+            if isinstance(resp, BaseException):
+                raise resp
             if resp.prompt_token_ids:
                 prompt_ids[i] = list(resp.prompt_token_ids)
             if resp.HasField("usage"):
@@ -271,7 +274,7 @@ async def stream_calls(
 
 
 async def start_stream(
-    mux: Multiplexer, calls: list[pb.GenerateRequest], timeout: float
+    mux: Calls, calls: list[pb.GenerateRequest], timeout: float
 ) -> AsyncIterator[StreamItem]:
     """`stream_calls`, returned once every call is admitted.
 
@@ -321,7 +324,7 @@ def check_model(requested: str, served: str) -> None:
 
 
 async def collect_calls(
-    mux: Multiplexer, calls: list[pb.GenerateRequest], timeout: float
+    mux: Calls, calls: list[pb.GenerateRequest], timeout: float
 ) -> tuple[dict[int, ChoiceResult], pb.Usage, list[list[int]]]:
     """Run the calls to the end: each choice's accumulated deltas (finish_reason as the
     proto enum: FINISH maps it to OpenAI's), usage, prompts."""

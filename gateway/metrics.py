@@ -19,6 +19,17 @@ duration = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 
+routed = Counter(
+    "hetero_gateway_routed",
+    "Generate calls placed on a control plane, by why: affinity (its prefix's plane on the "
+    "hash ring), load (that plane was overloaded: the next one on the ring), unavailable "
+    "(that plane was down), failover (re-submitted after its control plane failed)",
+    ("control", "reason"),
+)
+control_in_flight = Gauge(
+    "hetero_gateway_control_in_flight", "Generate calls running on each control plane", ("control",)
+)
+
 
 def instrument(app: FastAPI) -> None:
     @app.get("/metrics", include_in_schema=False)

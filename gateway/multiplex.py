@@ -6,11 +6,14 @@ registers its generate calls here and reads their responses from its own queue.
 
     mux = Multiplexer(stub_factory)
     ids = mux.start(calls, queue, timeout)  # queue gets (call index, GenerateResponse),
-                                            # an APIError, or None when a call has ended
+                                            # (call index, APIError) when a call fails,
+                                            # or None when a call has ended
     mux.cancel(ids)                 # the control plane aborts them and frees their blocks
 
 Past `timeout` seconds the calls still running are cancelled on the control plane and
-the queue gets a 504, whether or not anyone is reading it.
+the queue gets a 504, whether or not anyone is reading it. A call that fails because the
+GenerateMany call under it broke gets a `Broken` error: nothing was said about the call
+itself, so it may go on on another control plane (gateway.router).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -33,21 +37,48 @@ from hetero_proto import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-Item = tuple[int, pb.GenerateResponse] | BaseException | None
+Item = tuple[int, pb.GenerateResponse | BaseException] | BaseException | None
+
+
+class Sink(Protocol):
+    """Where a start's messages go: an asyncio.Queue, or a router's bookkeeping."""
+
+    def put_nowait(self, item: Item, /) -> None: ...
+
+
+class Calls(Protocol):
+    """What runs generate calls: a Multiplexer (one control plane), a Router (several)."""
+
+    def start(self, calls: list[pb.GenerateRequest], queue: Sink, timeout: float) -> list[str]:
+        """Start the calls; their messages go to `queue` as Item. Returns ids for `cancel`."""
+        ...
+
+    def cancel(self, ids: list[str]) -> None:
+        """Abort the calls of a start that have not ended; they get no further message."""
+        ...
+
+
+class Broken(APIError):
+    """The GenerateMany call under a request ended (the control plane died or restarted,
+    the connection dropped): not an answer about the request, which may go on elsewhere."""
+
+    @classmethod
+    def of(cls, e: APIError) -> Broken:
+        return cls(e.status, e.message, type=e.type, param=e.param, code=e.code)
 
 
 @dataclass(slots=True)
 class _Route:
-    queue: asyncio.Queue[Item]
-    index: int  # the call's position in its HTTP request
+    queue: Sink
+    index: int  # the call's position in its start
 
 
 class Multiplexer:
     """Routes the responses of one long-lived GenerateMany call to per-request queues.
 
     The call opens on first use and again after it breaks: a broken call (the control
-    plane restarted, the connection dropped) ends every request on it with 503, and
-    the next request opens a new one.
+    plane restarted, the connection dropped) ends every request on it with `Broken`
+    (a 503), and the next request opens a new one.
     """
 
     def __init__(self, stub: Callable[[], pb_grpc.ControlPlaneStub]) -> None:
@@ -58,9 +89,7 @@ class Multiplexer:
         self._tasks: list[asyncio.Task[None]] = []
         self._deadlines: dict[str, asyncio.TimerHandle] = {}  # first id of a start -> timer
 
-    def start(
-        self, calls: list[pb.GenerateRequest], queue: asyncio.Queue[Item], timeout: float
-    ) -> list[str]:
+    def start(self, calls: list[pb.GenerateRequest], queue: Sink, timeout: float) -> list[str]:
         """Send the calls; their responses go to `queue`. Returns their request ids."""
         starts = [pb.GenerateManyRequest(start=call, accept_packed=True) for call in calls]
         for s in starts:
@@ -95,7 +124,7 @@ class Multiplexer:
             if self._routes.pop(rid, None) is not None and self._outgoing is not None:
                 self._outgoing.put_nowait(pb.GenerateManyRequest(cancel=rid))
 
-    def _expire(self, ids: list[str], queue: asyncio.Queue[Item]) -> None:
+    def _expire(self, ids: list[str], queue: Sink) -> None:
         """The deadline passed: free the control plane's work now, tell the reader 504."""
         running = [rid for rid in ids if rid in self._routes]
         self.cancel(ids)
@@ -155,7 +184,7 @@ class Multiplexer:
                         route.queue.put_nowait((route.index, resp))
                 for e in message.errors:
                     if (route := routes.pop(e.request_id, None)) is not None:
-                        route.queue.put_nowait(from_code(e.code, e.message))
+                        route.queue.put_nowait((route.index, from_code(e.code, e.message)))
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 error = from_grpc(e)
@@ -171,6 +200,7 @@ class Multiplexer:
                 for task in self._tasks:
                     if task is not asyncio.current_task():
                         task.cancel()
+            broken = Broken.of(error)
             for route in routes.values():
-                route.queue.put_nowait(error)
+                route.queue.put_nowait((route.index, broken))
             routes.clear()

@@ -30,7 +30,7 @@ from gateway.generation import (
     detokenize,
     start_stream,
 )
-from gateway.multiplex import Multiplexer
+from gateway.multiplex import Calls
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.tool_calls import ToolStream
 from hetero_common.accumulate import ChoiceResult, stop_reason
@@ -173,7 +173,7 @@ class Serving(Generic[Body]):
     def __init__(
         self,
         model_name: Callable[[], Awaitable[str]],
-        mux: Multiplexer,
+        mux: Calls,
         stub: Callable[[], pb_grpc.ControlPlaneStub],
         timeout: float,
         defaults: Callable[[], Awaitable[dict[str, Any]]] | None = None,

@@ -82,6 +82,9 @@ class FakeLink:
     def open(self) -> Any:
         raise AssertionError("no gRPC stub in these tests")
 
+    async def start(self) -> None:
+        return None
+
     async def close(self) -> None:
         self.closed = True
 
