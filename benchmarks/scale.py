@@ -23,7 +23,7 @@ from benchmarks.workload import Preset, machine, make_workload, preset_dict
 
 # Long enough that start-up and the last stragglers weigh little; short prompts so the
 # figure is mostly decode, where a plane's step is bound by its one core.
-WORKLOAD = Preset(48, (32, 128), (96, 160))
+WORKLOAD = Preset(128, (32, 128), (96, 160))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
