@@ -7,19 +7,22 @@ control plane's public gRPC API with the bundled model.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
-from hetero_infer.local import child, free_port
+from hetero_infer.local import child, free_port, wait_http_ready
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import compute_pb2_grpc as cpb_grpc
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -290,3 +293,42 @@ def test_a_draining_compute_plane_hands_over_its_waiting_requests() -> None:
         assert time.monotonic() - signalled < 60  # its drain timeout is 120 s
         moved = _metric(url, "hetero_routed_requests_total", compute=computes[1], reason="moved")
         assert moved >= 1, moved
+
+
+def test_serve_starts_several_compute_planes() -> None:
+    """`hetero-infer serve --compute-planes 2`: two compute planes behind the control
+    plane, both attached, concurrent requests spread over both."""
+    port, cmetrics = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--port", str(port)]
+    cmd += ["--compute-planes", "2", "--control-metrics-port", str(cmetrics)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        wait_http_ready(url + "/ready", proc, timeout=300)
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a", "Dear Sir,"]
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(
+                pool.map(
+                    lambda p: httpx.post(
+                        url + "/v1/completions", json={**body, "prompt": p}, timeout=120
+                    ),
+                    prompts,
+                )
+            )
+        for r in answers:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 24
+        lines = httpx.get(f"http://127.0.0.1:{cmetrics}/metrics", timeout=10).text.splitlines()
+        attached = [ln for ln in lines if ln.startswith("hetero_compute_attached{")]
+        assert len(attached) == 2 and all(ln.endswith(" 1.0") for ln in attached), attached
+        routed = [ln for ln in lines if ln.startswith("hetero_routed_requests_total{")]
+        assert len({ln.split('compute="')[1].split('"')[0] for ln in routed}) == 2, routed
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=60) == 0  # serve stops every plane cleanly
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
