@@ -219,11 +219,18 @@ def test_malformed_steps_are_rejected_and_others_go_on(stub, greedy_reference) -
         assert needle in failure.message, failure.message
     while len(tokens) < NEW_TOKENS:
         ok(drv.step(cont=[drv.cont("good", 1)]))
-    stream.close()
     assert tokens == expected
     stats = stub.Stats(pb.StatsRequest())
     assert stats.num_active_requests == 1
     assert stats.num_failed_requests == len(request_cases) and stats.num_resets == 0
+    stream.close()
+    # The driver's stream ended: its requests are forgotten (it moved them or is gone).
+    for _ in range(200):
+        if stub.Stats(pb.StatsRequest()).num_active_requests == 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the requests outlived their control plane's stream")
 
 
 def test_one_control_plane_drives_it_at_a_time(stub, address) -> None:  # type: ignore[no-untyped-def]
