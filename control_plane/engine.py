@@ -216,6 +216,15 @@ class ControlEngine:
         return p.scheduler if p is not None else None
 
     @property
+    def schedulers(self) -> list[Scheduler]:
+        """The schedulers of the attached compute planes."""
+        return [
+            p.scheduler
+            for p in self.planes.values()
+            if p.attached.is_set() and p.scheduler is not None
+        ]
+
+    @property
     def description(self) -> cpb.DescribeResponse | None:
         p = self.plane
         return p.description if p is not None else None

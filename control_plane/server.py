@@ -289,12 +289,14 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             compute_attached=self.engine.attached.is_set(),
             generation_defaults_json=self.generation_defaults,
         )
-        if d is not None and sched is not None:
-            info.max_model_len = sched.max_model_len
+        # Over every attached compute plane: the smallest context, all their blocks.
+        scheds = self.engine.schedulers
+        if d is not None and sched is not None and scheds:
+            info.max_model_len = min(x.max_model_len for x in scheds)
             info.block_size = d.block_size
-            info.num_kv_blocks = sched.block_manager.pool.num_blocks
+            info.num_kv_blocks = sum(x.block_manager.pool.num_blocks for x in scheds)
             info.architecture, info.dtype, info.device = d.architecture, d.dtype, d.device
-            _fill_stats(info.stats, sched, request.detailed)
+            _fill_stats(info.stats, scheds, request.detailed)
             if sched.speculator is not None:
                 info.speculative = sched.speculator.config.method
         return info
@@ -380,30 +382,37 @@ class _ManyCall:
             self.engine.abort(stream)
 
 
-def _fill_stats(st: pb.EngineStats, sched: Scheduler, detailed: bool) -> None:
-    """Counters always; with `detailed`, the walks over every page table too (KV slot
-    use and the integrity check): O(blocks + tokens), so probes leave it off."""
-    stats = sched.make_stats()
-    st.num_free_kv_blocks, st.num_usable_kv_blocks = (
-        stats.kv.num_free_blocks,
-        stats.kv.num_usable_blocks,
-    )
-    st.num_running, st.num_waiting = stats.num_running, stats.num_waiting
-    st.num_preemptions = stats.num_preemptions
-    st.prefix_cache_queries, st.prefix_cache_hits = stats.kv.prefix_queries, stats.kv.prefix_hits
-    if (spec := sched.speculator) is not None:
-        st.num_spec_drafts, st.num_spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
-        st.num_spec_accepted_tokens = spec.num_accepted_tokens
-    if not detailed:
-        return
-    bm = sched.block_manager
-    used, allocated = bm.slot_usage(sched.requests.values())
-    st.num_kv_slots_used, st.num_kv_slots_allocated = used, allocated
-    try:
-        bm.check_integrity()
-        st.integrity_ok = True
-    except IntegrityError as e:
-        st.integrity_error = str(e)
+def _fill_stats(st: pb.EngineStats, scheds: list[Scheduler], detailed: bool) -> None:
+    """Counters always, summed over the compute planes' schedulers; with `detailed`, the
+    walks over every page table too (KV slot use and the integrity check):
+    O(blocks + tokens), so probes leave it off."""
+    errors = []
+    for sched in scheds:
+        stats = sched.make_stats()
+        st.num_free_kv_blocks += stats.kv.num_free_blocks
+        st.num_usable_kv_blocks += stats.kv.num_usable_blocks
+        st.num_running += stats.num_running
+        st.num_waiting += stats.num_waiting
+        st.num_preemptions += stats.num_preemptions
+        st.prefix_cache_queries += stats.kv.prefix_queries
+        st.prefix_cache_hits += stats.kv.prefix_hits
+        if (spec := sched.speculator) is not None:
+            st.num_spec_drafts += spec.num_drafts
+            st.num_spec_draft_tokens += spec.num_draft_tokens
+            st.num_spec_accepted_tokens += spec.num_accepted_tokens
+        if not detailed:
+            continue
+        bm = sched.block_manager
+        used, allocated = bm.slot_usage(sched.requests.values())
+        st.num_kv_slots_used += used
+        st.num_kv_slots_allocated += allocated
+        try:
+            bm.check_integrity()
+        except IntegrityError as e:
+            errors.append(str(e))
+    if detailed:
+        st.integrity_ok = not errors
+        st.integrity_error = "; ".join(errors)
 
 
 async def serve(config: ControlConfig) -> None:

@@ -25,6 +25,7 @@ import pytest
 from hetero_infer.local import child, free_port, wait_http_ready
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import compute_pb2_grpc as cpb_grpc
+from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 from tests.e2e_helpers import generate, greedy
 
@@ -218,6 +219,17 @@ def test_shared_prefixes_meet_their_prefix_cache() -> None:
             for a in computes
         )
         assert hits >= 7, hits
+        # ModelInfo counts both planes: all their blocks, whole again, integrity checked.
+        info = stub.ModelInfo(pb.ModelInfoRequest(detailed=True), timeout=30)
+        blocks = 0
+        for a in computes:
+            with grpc.insecure_channel(a) as kch:
+                d = cpb_grpc.ComputePlaneStub(kch).Describe(cpb.DescribeRequest(), timeout=30)
+                blocks += d.num_kv_blocks
+        assert info.num_kv_blocks == blocks
+        st = info.stats
+        assert st.integrity_ok, st.integrity_error
+        assert st.num_free_kv_blocks == st.num_usable_kv_blocks and st.num_running == 0
 
 
 def test_compute_planes_join_and_leave_a_running_stack(tmp_path: Path) -> None:
