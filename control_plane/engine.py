@@ -31,7 +31,7 @@ from control_plane.plane import (
     RequestFailed,
 )
 from control_plane.request import Request, Status
-from control_plane.scheduler import Scheduler
+from control_plane.scheduler import AdmissionError, Scheduler
 from control_plane.tokenizer import TokenizerWrapper
 from hetero_common.discovery import resolve, static_addresses
 from hetero_common.logs import valid_request_id
@@ -336,8 +336,13 @@ class ControlEngine:
         packed: bool = False,
         request_id: str = "",
         traceparent: str = "",
+        num_resumed: int = 0,
     ) -> GenerateStream:
         """Admit a request (n choices). Raises AdmissionError / QueueFullError / ComputeUnavailable.
+
+        `num_resumed`: the last ids of `prompt_ids` are output the client already has
+        (a gateway continuing a request whose control plane failed): they count as
+        output and are not sent again.
 
         `request_id` (the client's, e.g. the gateway's X-Request-Id) names the request in
         the logs of this plane and the compute plane: it is the stream's id when no
@@ -350,11 +355,19 @@ class ControlEngine:
         """
         if self.draining:
             raise ComputeUnavailable("the control plane is shutting down")
-        plane = self._place(prompt_ids)
+        if not 0 <= num_resumed < len(prompt_ids):
+            raise AdmissionError(
+                f"num_resumed_output_tokens must be in 0..{max(0, len(prompt_ids) - 1)} "
+                "(the input holds the prompt, then the resumed output)"
+            )
+        resumed = prompt_ids[len(prompt_ids) - num_resumed :] if num_resumed else []
+        prompt_ids = prompt_ids[: len(prompt_ids) - num_resumed]
+        plane = self._place(prompt_ids + resumed)
         sched = plane.scheduler
         assert sched is not None
         bounds = plane.bounds()
         max_tokens = self.inputs.check(prompt_ids, params, bounds)
+        self.inputs.check_resumed(resumed, params, max_tokens, bounds)
         sched.check_admission(len(prompt_ids), max_tokens)
         usable = valid_request_id(request_id) and request_id not in self.streams
         stream_id = request_id if usable else uuid.uuid4().hex
@@ -367,6 +380,7 @@ class ControlEngine:
             outbox,
             client_id,
             self.labels["model_name"],
+            resumed,
         )
         self._trace(stream, traceparent, max_tokens)
         _queue(sched, stream)

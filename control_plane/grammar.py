@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance as llg
@@ -134,9 +135,16 @@ class Grammars:
             self._cache.popitem(last=False)
         return m
 
-    def start(self, spec: pb.StructuredOutput) -> GrammarState:
-        """A request's own matcher, with the mask of its first token."""
+    def start(self, spec: pb.StructuredOutput, output: Sequence[int] = ()) -> GrammarState:
+        """A request's own matcher, with the mask of its first token; `output`: tokens it
+        already generated (a resumed request), consumed first (GrammarError if the
+        grammar refuses one or is complete after them)."""
         state = GrammarState(self.compile(spec).deep_copy(), self._size)
+        for token in output:
+            if not state.matcher.consume_token(token):
+                raise GrammarError(f"the resumed output's token {token} breaks the grammar")
+        if output and state.matcher.is_stopped():
+            raise GrammarError("the resumed output already completes the grammar")
         self.advance([(state, None)])
         return state
 

@@ -85,6 +85,24 @@ class InputProcessor:
                 raise AdmissionError(str(e)) from None
         return max_tokens
 
+    @staticmethod
+    def check_resumed(
+        resumed: list[int], params: pb.GenerationParams, max_tokens: int, bounds: ModelBounds
+    ) -> None:
+        """Raise AdmissionError unless `resumed` (output the client has) can be resumed."""
+        if not resumed:
+            return
+        if (params.n or 1) != 1:
+            raise AdmissionError("num_resumed_output_tokens needs n = 1")
+        if len(resumed) >= max_tokens:
+            raise AdmissionError(
+                f"num_resumed_output_tokens ({len(resumed)}) leaves nothing of max_tokens "
+                f"({max_tokens}) to generate"
+            )
+        vocab = bounds.vocab_size
+        if bad := [t for t in resumed if not 0 <= t < vocab]:
+            raise AdmissionError(f"resumed output token id {bad[0]} is not in 0..{vocab - 1}")
+
     def sampling(
         self, params: pb.GenerationParams, index: int, bounds: ModelBounds
     ) -> cpb.SamplingParams:
@@ -123,21 +141,29 @@ class InputProcessor:
         outbox: Outbox | None = None,
         client_id: str = "",
         model_name: str = "",
+        resumed: list[int] | None = None,
     ) -> GenerateStream:
         """The stream of a checked request, with a scheduler Request per choice
-        (`<stream_id>-<i>`), each with its detokenizer and stop-string checker."""
+        (`<stream_id>-<i>`), each with its detokenizer and stop-string checker.
+        `resumed`: output the client already has (one choice; `check_resumed`): the
+        request starts with it generated, its detokenizer and grammar past it."""
+        resumed = resumed or []
         stream = GenerateStream(
             stream_id, list(prompt_ids), [], self.tokenizer, outbox=outbox, client_id=client_id
         )
         grammar = None
         if params.HasField("structured"):
-            grammar = self.grammars.start(params.structured)
+            try:
+                grammar = self.grammars.start(params.structured, resumed)
+            except GrammarError as e:
+                raise AdmissionError(str(e)) from None
             kind = params.structured.WhichOneof("kind") or ""
             metrics.constrained_requests.labels(model_name=model_name, kind=kind).inc()
         for i in range(params.n or 1):
             req = Request(
                 request_id=choice_request_id(stream_id, i),
                 prompt_token_ids=list(prompt_ids),
+                token_ids=[*prompt_ids, *resumed],
                 max_tokens=max_tokens,
                 sampling=self.sampling(params, i, bounds),
                 min_tokens=params.min_tokens,
@@ -149,6 +175,8 @@ class InputProcessor:
                 skip_prefix_cache=params.HasField("prompt_logprobs"),
             )
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            for token in resumed:  # the client has their text
+                detok.push(token)
             stream.choices.append(
                 Choice(
                     i, req, detok, StopChecker(list(params.stop), params.include_stop_str_in_output)

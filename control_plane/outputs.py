@@ -190,7 +190,8 @@ class GenerateStream:
         return pb.Usage(
             prompt_tokens=len(self.prompt_token_ids),
             completion_tokens=sum(c.request.num_output_tokens for c in self.choices),
-            cached_prompt_tokens=self.num_cached_tokens,
+            # A resumed request's hit may reach into its resumed output: not prompt.
+            cached_prompt_tokens=min(self.num_cached_tokens, len(self.prompt_token_ids)),
         )
 
     def _logprob(self, r: cpb.TokenResult) -> pb.TokenLogprob:

@@ -207,6 +207,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 prompt_ids,
                 request.params,
                 request_id=request.request_id,
+                num_resumed=_resumed(request),
                 traceparent=request.traceparent or _metadata(context, "traceparent"),
             )
         except Exception as e:
@@ -363,6 +364,7 @@ class _ManyCall:
                 packed=packed,
                 request_id=rid,
                 traceparent=request.traceparent,
+                num_resumed=_resumed(request),
             )
         except Exception as e:
             if starting.get(rid) is not token:
@@ -380,6 +382,14 @@ class _ManyCall:
             task.cancel()
         for stream in self.running.values():
             self.engine.abort(stream)
+
+
+def _resumed(request: pb.GenerateRequest) -> int:
+    """num_resumed_output_tokens, which only a token-id input may carry."""
+    n = request.num_resumed_output_tokens
+    if n and request.WhichOneof("input") != "token_ids":
+        raise AdmissionError("num_resumed_output_tokens needs a token_ids input")
+    return n
 
 
 def _fill_stats(st: pb.EngineStats, scheds: list[Scheduler], detailed: bool) -> None:

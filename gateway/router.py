@@ -7,8 +7,9 @@ load (gateway.placement), and moved to another control plane when its own fails.
 
 The router keeps, for each call, what the client has been sent (the prompt's token ids,
 the output tokens and text), which is what a re-submission needs. A continuation's
-admission is not passed on (the client had the prompt's), and its usage is rewritten
-as the original call's, so the HTTP request reads one stream. Where no other control
+admission is not passed on (the client had the prompt's); its usage is the original
+call's (the control plane counts the resumed output as output), so the HTTP request
+reads one stream. Where no other control
 plane is up, a call waits up to `control_retry_timeout` seconds for one; with no other
 control plane at all it fails at once (503), as a gateway with one control plane does.
 """
@@ -49,7 +50,6 @@ class _Call:
     output_ids: list[int] = field(default_factory=list)  # choice 0's tokens sent on
     texts: list[str] = field(default_factory=list)  # choice 0's text sent on
     delivered: bool = False  # some output went to the client
-    resumed_after: int = -1  # a continuation runs: after this many output tokens
     plane: ControlPlane | None = None  # where it runs now (counted in its in_flight)
     sink: _Sink | None = None  # the start it runs in
     failed: set[str] = field(default_factory=set)  # planes that failed under it
@@ -204,10 +204,8 @@ class Router:
                 call.output_ids += c.token_ids
                 if c.text:
                     call.texts.append(c.text)
-        if resp.HasField("usage"):
+        if resp.HasField("usage"):  # a resumed call's counts its resumed output as output
             self._release(call)
-            if call.resumed_after >= 0 and call.prompt_ids is not None:
-                resubmit.continued_usage(resp.usage, len(call.prompt_ids), call.resumed_after)
         s.queue.put_nowait((i, resp))
 
     # ------------------------------------------------------------ re-submission
@@ -279,7 +277,6 @@ class Router:
         request = resubmit.continuation(call.request, call.prompt_ids, call.output_ids)
         if request is None:
             raise _NotContinued("no tokens left to generate")
-        call.resumed_after = len(call.output_ids)
         return request
 
     def _fail(self, s: _Session, i: int, error: APIError) -> None:

@@ -122,7 +122,10 @@ def run_job(client: openai.OpenAI, model: str, job: Job, out: Result) -> None:
                     out.pieces.append(c.delta.content or "")
                     out.finish = c.finish_reason or out.finish
         else:
-            for chunk in client.completions.create(prompt=job.text, **common):
+            # Penalties count output tokens only: the continuation carries the delivered
+            # ones as resumed output (num_resumed_output_tokens), not as prompt.
+            penalties = {"frequency_penalty": 0.6, "presence_penalty": 0.4}
+            for chunk in client.completions.create(prompt=job.text, **common, **penalties):
                 if chunk.usage is not None:
                     out.usage = chunk.usage
                 for c in chunk.choices:

@@ -350,3 +350,87 @@ def test_generate_many_errors_and_cancels_touch_only_their_request(stub, alone) 
     assert st.num_free_kv_blocks == st.num_usable_kv_blocks
     assert st.integrity_ok, st.integrity_error
     assert st.num_running == 0 and st.num_waiting == 0
+
+
+def _full(
+    stub: pb_grpc.ControlPlaneStub, request: pb.GenerateRequest
+) -> tuple[list[int], str, pb.Usage]:
+    tokens: list[int] = []
+    text = ""
+    usage = pb.Usage()
+    for resp in stub.Generate(request, timeout=120):
+        for c in resp.choices:
+            tokens += c.token_ids
+            text += c.text
+        if resp.HasField("usage"):
+            usage = resp.usage
+    return tokens, text, usage
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.0, "frequency_penalty": 0.7, "presence_penalty": 0.3},
+        {"temperature": 0.9, "seed": 5, "top_k": 40},
+        {"temperature": 0.0, "structured": pb.StructuredOutput(regex="[a-z ,]{60,200}")},
+    ],
+    ids=["penalties", "seeded", "grammar"],
+)
+def test_resumed_output_continues_exactly(stub: pb_grpc.ControlPlaneStub, params: dict) -> None:  # type: ignore[type-arg]
+    """num_resumed_output_tokens: the input's last N ids are output the client has (a
+    gateway continuing after a control plane failed). The rest equals the uninterrupted
+    run's token for token and text for text, with output-only state (penalties, the
+    grammar) and usage as if nothing had happened."""
+    prompt = [504, 3426, 284, 260, 1345, 282, 4649, 314, 216, 30, 7, 19, 46]
+    p = pb.GenerationParams(max_tokens=24, ignore_eos=True, **params)
+    tokens, text, usage = _full(
+        stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), params=p)
+    )
+    assert len(tokens) == 24 and usage.completion_tokens == 24  # the grammar is not done
+    for cut in (1, 9, 17):
+        resumed = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt + tokens[:cut]),
+            params=p,
+            num_resumed_output_tokens=cut,
+        )
+        rest, rest_text, rest_usage = _full(stub, resumed)
+        assert rest == tokens[cut:], cut
+        head = stub.Detokenize(
+            pb.DetokenizeRequest(token_ids=tokens[:cut], skip_special_tokens=False)
+        )
+        assert head.text + rest_text == text, cut
+        assert (rest_usage.prompt_tokens, rest_usage.completion_tokens) == (len(prompt), 24)
+
+
+def test_bad_resumed_output_is_refused(stub: pb_grpc.ControlPlaneStub) -> None:
+    p = pb.GenerationParams(max_tokens=8)
+    cases = {
+        "needs a token_ids input": pb.GenerateRequest(
+            text="Hello", params=p, num_resumed_output_tokens=1
+        ),
+        "must be in 0..2": pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5, 6, 7]), params=p, num_resumed_output_tokens=3
+        ),
+        "needs n = 1": pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5, 6, 7]),
+            params=pb.GenerationParams(max_tokens=8, n=2),
+            num_resumed_output_tokens=1,
+        ),
+        "leaves nothing of max_tokens": pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5, 6, 7]),
+            params=pb.GenerationParams(max_tokens=2),
+            num_resumed_output_tokens=2,
+        ),
+        "breaks the grammar": pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[5, 6, 7]),
+            params=pb.GenerationParams(
+                max_tokens=8, structured=pb.StructuredOutput(choice=pb.ChoiceList(choices=["yes"]))
+            ),
+            num_resumed_output_tokens=1,
+        ),
+    }
+    for needle, request in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, needle
+        assert needle in (e.value.details() or ""), (needle, e.value.details())
