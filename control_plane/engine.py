@@ -101,7 +101,7 @@ class ControlEngine:
         self.streams: dict[str, GenerateStream] = self.outputs.streams
         self.choices: dict[str, tuple[GenerateStream, Choice]] = self.outputs.choices
         self.attached = asyncio.Event()  # set while any compute plane is attached
-        self._set_model_label(model_name)
+        self.labels = {"model_name": model_name}
         self.draining = False  # this process is shutting down: refuse new requests
         self._link = link
         self.planes: dict[str, ComputePlane] = {}  # by address, in the order they joined
@@ -228,11 +228,6 @@ class ControlEngine:
     def description(self) -> cpb.DescribeResponse | None:
         p = self.plane
         return p.description if p is not None else None
-
-    def _set_model_label(self, name: str) -> None:
-        self.labels = {"model_name": name}
-        for plane in getattr(self, "planes", {}).values():
-            plane.set_labels(self.labels)
 
     # ------------------------------------------------------------ placement
     def _place(self, token_ids: list[int], exclude: ComputePlane | None = None) -> ComputePlane:

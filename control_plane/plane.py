@@ -78,7 +78,6 @@ class _LoopMetrics:
         self.spec_accepted = metrics.spec_accepted_tokens.labels(**labels)
         self.spec_emitted = metrics.spec_emitted_tokens.labels(**labels)
         self.labels = labels
-        self.plane_labels = plane_labels
 
 
 class ComputePlane:
@@ -114,12 +113,9 @@ class ComputePlane:
         # Prompt blocks (chain-hash keys) of the requests placed here and still live: a
         # request sharing them goes here even before they are computed and cached.
         self.placed_keys: Counter[BlockHash] = Counter()
-        self.set_labels(engine.labels)
-
-    def set_labels(self, labels: dict[str, str]) -> None:
-        self.labels = labels
-        self.plane_labels = {**labels, "compute": self.address}
-        self._loop_metrics = _LoopMetrics(labels, self.plane_labels)
+        self.labels = engine.labels
+        self.plane_labels = {**engine.labels, "compute": self.address}
+        self._loop_metrics = _LoopMetrics(self.labels, self.plane_labels)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
