@@ -5,10 +5,12 @@ offset per group of 32 input channels: exactly what those formats store), Q8_0 a
 (int8 codes, a scale per group of 32); other formats (Q6_K, Q5_*, ...) are dequantized
 and re-quantized to `q8`. `--quantization int8` turns dense weights into `q8` too.
 
-A few rows (decode) run on the C kernel in `csrc/quant_linear_cpu.c`, which reads the
-codes where they lie: a decode step reads ~0.6-1.1 bytes per weight instead of 4. Many
-rows (prefill) dequantize the layer to fp32 and use the dense GEMM, whose cost the rows
-amortise. Embedding rows are dequantized as they are looked up.
+Every linear on them runs on the C kernel in `csrc/quant_linear_cpu.c`, which reads the
+codes where they lie (a decode step reads ~0.6-1.1 bytes per weight instead of 4) in
+blocks of 16 output channels (`pack` makes the layout at load); it is faster than
+dequantizing + the dense GEMM at every row count measured (1-2048 rows), and a row's
+result does not depend on the rows beside it. Embedding rows are dequantized as they are
+looked up.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from compute_plane.native import KernelUnavailable, load_library
 log = logging.getLogger(__name__)
 
 GROUP = 32
-MAX_KERNEL_ROWS = 128  # above this many rows (prefill), dequantize + dense GEMM is faster
+BLOCK = 16  # output channels per block of the kernels' layout
+MAX_KERNEL_ROWS = 128  # the most rows of a fused decode step (decode_cpu.py)
 QUANTIZATIONS = ("auto", "none", "int8")
 # How the decode kernels multiply activations by quantized weights (csrc/quant_linear_cpu.c):
 # int16: x rounded to int16 per group of 32, integer multiply-adds; fp32: exact.
@@ -42,7 +45,7 @@ class _Kernels:
     q8_linear: Callable[..., int]
     q4_dequant: Callable[..., None]
     q8_dequant: Callable[..., None]
-    int16: bool  # the kernels round activations to int16 when asked (AVX2 builds)
+    int16_kind: int  # the int16 kernel built here: 2 AVX-512, 1 AVX2, 0 plain C
 
 
 @functools.cache
@@ -58,10 +61,14 @@ def load_kernels() -> _Kernels:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
         fn.restype = None
-    lib.int16_activations_supported.restype = ctypes.c_int
+    lib.int16_kernel_kind.restype = ctypes.c_int
+    log.info(
+        "quantized CPU kernels: int16 path %s",
+        ("plain C", "AVX2", "AVX-512")[lib.int16_kernel_kind()],
+    )
     return _Kernels(
         lib.q4_linear_f32, lib.q8_linear_f32, lib.q4_dequant_f32, lib.q8_dequant_f32,
-        bool(lib.int16_activations_supported()),
+        lib.int16_kernel_kind(),
     )  # fmt: skip
 
 
@@ -76,22 +83,37 @@ def kernels_available() -> bool:
 
 @dataclass(frozen=True)
 class QuantWeight:
-    """A [N, K] weight in groups of 32 along K.
+    """A [N, K] weight in groups of 32 along K, in the kernels' layout (channels in blocks
+    of 16, csrc/quant_linear_cpu.c); `pack` builds one from the row layout, `rows` gives
+    that back:
 
-    q4: `codes` uint8 [N, K/2] (byte j of a group: element j low, j + 16 high nibble),
-        `scales` fp32 [N, K/32, 2] = (s, b): w = s * code + b.
-    q8: `codes` int8 [N, K], `scales` fp32 [N, K/32]: w = s * code.
+    q4: codes uint8 [N, K/2] (byte j of a group: element j low, j + 16 high nibble),
+        scales fp32 [N, K/32, 2] = (s, b): w = s * code + b.
+    q8: codes int8 [N, K], scales fp32 [N, K/32]: w = s * code.
     """
 
     kind: str
-    codes: torch.Tensor
-    scales: torch.Tensor
+    codes: torch.Tensor  # packed: [ceil(N/16), K/32 * 256 (q4) or 512 (q8)] bytes
+    scales: torch.Tensor  # packed: [ceil(N/16), K/32 * 32 (q4) or 16 (q8)] fp32
+    n: int
+    k: int
+
+    @classmethod
+    def pack(cls, kind: str, codes: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
+        """From the row layout above."""
+        n = codes.shape[0]
+        k = codes.shape[1] * (2 if kind == "q4" else 1)
+        c, s = _pack(kind, codes.numpy(), scales.numpy(), n, k)
+        return cls(kind, torch.from_numpy(c), torch.from_numpy(s), n, k)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scales) in the row layout."""
+        c, s = _unpack(self.kind, self.codes.numpy(), self.scales.numpy(), self.n, self.k)
+        return torch.from_numpy(c), torch.from_numpy(s)
 
     @property
     def shape(self) -> tuple[int, int]:
-        n = self.codes.shape[0]
-        k = self.codes.shape[1] * (2 if self.kind == "q4" else 1)
-        return n, k
+        return self.n, self.k
 
     @property
     def nbytes(self) -> int:
@@ -113,16 +135,11 @@ class QuantWeight:
     def linear(
         self, x: torch.Tensor, bias: torch.Tensor | None = None, activations: str = "int16"
     ) -> torch.Tensor:
-        """x [M, K] fp32 @ w.T (+ bias) -> [M, N] fp32; `activations` (ACTIVATIONS) is how
-        the kernel multiplies up to MAX_KERNEL_ROWS rows (more: dequantize + fp32 GEMM)."""
+        """x [M, K] fp32 @ w.T (+ bias) -> [M, N] fp32 on the C kernel; `activations`
+        (ACTIVATIONS) is how it multiplies. Every row is computed as it would be alone."""
         n, k = self.shape
-        x2 = x.reshape(-1, k)
+        x2 = x.reshape(-1, k).contiguous()
         m = x2.shape[0]
-        if m > MAX_KERNEL_ROWS:
-            if activations == "int16" and load_kernels().int16:
-                x2 = round_int16(x2)  # as the kernel rounds them: batch-independent results
-            return torch.nn.functional.linear(x2, self.dequantize(), bias).reshape(*x.shape[:-1], n)
-        x2 = x2.contiguous()
         y = torch.empty(m, n, dtype=torch.float32)
         ks = load_kernels()
         fn = ks.q4_linear if self.kind == "q4" else ks.q8_linear
@@ -137,26 +154,69 @@ class QuantWeight:
 
     def take_rows(self, perm: np.ndarray) -> QuantWeight:
         idx = torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
-        return QuantWeight(self.kind, self.codes[idx].contiguous(), self.scales[idx].contiguous())
+        codes, scales = self.rows()
+        return QuantWeight.pack(self.kind, codes[idx].contiguous(), scales[idx].contiguous())
 
 
-def round_int16(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] rounded as the kernels' int16 mode rounds it: per group of 32, to steps of
-    the group's largest magnitude / 32767 (round half to even, as lrintf)."""
-    m, k = x.shape
-    g = x.reshape(m, k // GROUP, GROUP)
-    top = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))
-    return (torch.round(g * inv) * (top / 32767.0)).reshape(m, k)
+def _pack(
+    kind: str, codes: np.ndarray, scales: np.ndarray, n: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row layout -> the kernels' blocks of 16 channels (csrc/quant_linear_cpu.c)."""
+    nb, ng = -(-n // BLOCK), k // GROUP
+    pad = nb * BLOCK - n
+    if kind == "q4":
+        c = codes.reshape(n, ng, 16)
+        vals = np.concatenate([c & 0x0F, c >> 4], axis=-1)  # [n, ng, 32]: element order
+        vals = np.pad(vals, ((0, pad), (0, 0), (0, 0)))
+        v = vals.reshape(nb, BLOCK, ng, 8, 4).transpose(0, 2, 3, 1, 4)  # [nb, ng, t, j, 4]
+        out = np.stack([v[..., 0] | (v[..., 2] << 4), v[..., 1] | (v[..., 3] << 4)], axis=-1)
+        sb = np.pad(scales.reshape(n, ng, 2), ((0, pad), (0, 0), (0, 0)))
+        sb = sb.reshape(nb, BLOCK, ng, 2).transpose(0, 2, 3, 1)  # [nb, ng, (s, b), j]
+        return (
+            np.ascontiguousarray(out, dtype=np.uint8).reshape(nb, -1),
+            np.ascontiguousarray(sb, dtype=np.float32).reshape(nb, -1),
+        )
+    c = np.pad(codes.reshape(n, ng, 16, 2), ((0, pad), (0, 0), (0, 0), (0, 0)))
+    c = c.reshape(nb, BLOCK, ng, 16, 2).transpose(0, 2, 3, 1, 4)  # [nb, ng, p, j, 2]
+    s = np.pad(scales.reshape(n, ng), ((0, pad), (0, 0)))
+    s = s.reshape(nb, BLOCK, ng).transpose(0, 2, 1)
+    return (
+        np.ascontiguousarray(c, dtype=np.int8).reshape(nb, -1),
+        np.ascontiguousarray(s, dtype=np.float32).reshape(nb, -1),
+    )
+
+
+def _unpack(
+    kind: str, codes: np.ndarray, scales: np.ndarray, n: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of _pack."""
+    nb, ng = codes.shape[0], k // GROUP
+    if kind == "q4":
+        b = codes.reshape(nb, ng, 8, BLOCK, 2)
+        v = np.stack([b[..., 0] & 0x0F, b[..., 1] & 0x0F, b[..., 0] >> 4, b[..., 1] >> 4], -1)
+        vals = v.transpose(0, 3, 1, 2, 4).reshape(nb * BLOCK, ng, 32)[:n]
+        rows = vals[..., :16] | (vals[..., 16:] << 4)
+        sb = scales.reshape(nb, ng, 2, BLOCK).transpose(0, 3, 1, 2).reshape(nb * BLOCK, ng, 2)
+        return (
+            np.ascontiguousarray(rows, dtype=np.uint8).reshape(n, k // 2),
+            np.ascontiguousarray(sb[:n], dtype=np.float32),
+        )
+    c = codes.reshape(nb, ng, 16, BLOCK, 2).transpose(0, 3, 1, 2, 4).reshape(nb * BLOCK, k)
+    s = scales.reshape(nb, ng, BLOCK).transpose(0, 2, 1).reshape(nb * BLOCK, ng)
+    return (
+        np.ascontiguousarray(c[:n], dtype=np.int8),
+        np.ascontiguousarray(s[:n], dtype=np.float32),
+    )
 
 
 def cat(parts: Sequence[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
     """Concatenate weights along N (fusing q|k|v, gate|up); dense if the kinds differ."""
     kinds = {p.kind if isinstance(p, QuantWeight) else "dense" for p in parts}
     if len(kinds) == 1 and "dense" not in kinds:
-        qs = [p for p in parts if isinstance(p, QuantWeight)]
-        return QuantWeight(
-            qs[0].kind, torch.cat([p.codes for p in qs]), torch.cat([p.scales for p in qs])
+        rows = [p.rows() for p in parts if isinstance(p, QuantWeight)]
+        kind = next(iter(kinds))
+        return QuantWeight.pack(
+            kind, torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
         )
     return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
 
@@ -167,7 +227,7 @@ def quantize_q8(w: torch.Tensor) -> QuantWeight:
     g = w.detach().float().reshape(n, k // GROUP, GROUP)
     s = g.abs().amax(-1) / 127.0
     codes = torch.round(g / s.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-    return QuantWeight("q8", codes.reshape(n, k).contiguous(), s.contiguous())
+    return QuantWeight.pack("q8", codes.reshape(n, k).contiguous(), s.contiguous())
 
 
 Weight = torch.Tensor | QuantWeight
@@ -218,7 +278,7 @@ def from_gguf(data: np.ndarray, qtype: QT, n: int, k: int) -> QuantWeight | None
         blocks = raw.reshape(n, k // GROUP, 34)
         d = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
         codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return QuantWeight("q8", torch.from_numpy(codes), torch.from_numpy(d))
+        return QuantWeight.pack("q8", torch.from_numpy(codes), torch.from_numpy(d))
     if qtype == QT.Q4_K:
         return _q4_k(raw, n, k)
     dense = dequantize(raw, qtype).reshape(n, k)
@@ -228,7 +288,7 @@ def from_gguf(data: np.ndarray, qtype: QT, n: int, k: int) -> QuantWeight | None
 def _q4(qs: np.ndarray, s: np.ndarray, b: np.ndarray, n: int, k: int) -> QuantWeight:
     codes = np.ascontiguousarray(qs).reshape(n, k // 2)
     sb = np.stack([s, b], axis=-1).astype(np.float32)
-    return QuantWeight("q4", torch.from_numpy(codes), torch.from_numpy(sb))
+    return QuantWeight.pack("q4", torch.from_numpy(codes), torch.from_numpy(sb))
 
 
 def _q4_k(raw: np.ndarray, n: int, k: int) -> QuantWeight:

@@ -16,7 +16,7 @@
  * the result is the torch forward's to rounding. The small elementwise work runs on
  * the calling thread: at M <= 128 rows it is microseconds.
  *
- * Returns 0; 1 for a shape the linears do not take (M > MAX_ROWS, K % 32); 2 when out
+ * Returns 0; 1 for a shape the linears do not take (M > MAX_DECODE_ROWS, K % 32); 2 when out
  * of memory.
  */
 #include <math.h>
@@ -28,6 +28,7 @@
 #include "quant_linear_cpu.c"
 
 enum { W_DENSE = 0, W_Q4 = 1, W_Q8 = 2 };
+#define MAX_DECODE_ROWS 128 /* decode_cpu.py's FusedDecode.max_rows */
 
 /* A weight [n][k]: dense fp32 rows, or the q4 / q8 layouts of quant_linear_cpu.c. */
 typedef struct {
@@ -183,7 +184,7 @@ static int layer_forward(const DModel *m, const DLayer *l, int64_t M, const int6
 int decode_forward_f32(const DModel *m, int64_t M, const int64_t *ids, const int64_t *positions,
                        const int64_t *slots, const int32_t *tables, int64_t table_stride,
                        const int32_t *seq_lens, float *out) {
-  if (M > MAX_ROWS) return 1;
+  if (M > MAX_DECODE_ROWS) return 1;
   Scratch s;
   if (scratch_alloc(m, M, &s)) return 2;
   const int64_t H = m->hidden;

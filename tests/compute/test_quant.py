@@ -56,12 +56,13 @@ def _int16_bound(q: QuantWeight, x: torch.Tensor) -> torch.Tensor:
     output n by sum_g (|s_ng| * sum_j |code_ngj| + 32 |b_ng|) * step_mg / 2 (q4's offsets
     meet the rounded x too)."""
     n = q.shape[0]
+    rows, scales = q.rows()
     if q.kind == "q4":
-        lo, hi = q.codes & 0x0F, q.codes >> 4
+        lo, hi = rows & 0x0F, rows >> 4
         codes = torch.cat([lo.view(n, -1, 16), hi.view(n, -1, 16)], -1).double()
-        s, b = q.scales[..., 0].double(), q.scales[..., 1].double()
+        s, b = scales[..., 0].double(), scales[..., 1].double()
     else:
-        codes, s = q.codes.view(n, -1, 32).double(), q.scales.double()
+        codes, s = rows.view(n, -1, 32).double(), scales.double()
         b = torch.zeros_like(s)
     weight = s.abs() * codes.abs().sum(-1) + 32 * b.abs()  # [N, G]
     step = x.view(x.shape[0], -1, 32).abs().amax(-1).double() / 32767  # [M, G]
@@ -70,15 +71,14 @@ def _int16_bound(q: QuantWeight, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("activations", ["fp32", "int16"])
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 5, 16, 17, 40, 128, 129])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16, 17, 40, 128, 300])
 def test_linear_matches_the_dense_weight(kind: str, rows: int, activations: str) -> None:
-    """The C kernel (up to MAX_KERNEL_ROWS = 128 rows) and dequantize + GEMM (more) against x @ w.T + b:
-    exact to fp32 rounding, or (int16 activations, any number of rows) within the bound
-    of their rounding."""
+    """The C kernel against x @ w.T + b: exact to fp32 rounding, or (int16 activations)
+    within the bound of their rounding. 72 channels: 4 blocks of 16 and a padded one."""
     n, k = 72, 320
     if kind == "q4":
         codes = torch.from_numpy(RNG.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
-        q = QuantWeight("q4", codes, torch.randn(n, k // 32, 2) * 0.05)
+        q = QuantWeight.pack("q4", codes, torch.randn(n, k // 32, 2) * 0.05)
     else:
         q = quantize_q8(torch.randn(n, k))
     dense = q.dequantize()
@@ -101,16 +101,49 @@ def test_linear_matches_the_dense_weight(kind: str, rows: int, activations: str)
 
 
 def _batch_independent(q: QuantWeight, bias: torch.Tensor) -> None:
-    """A row's result does not depend on its batch: alone (the kernel) and among 129 rows
-    (dequantize + GEMM) it is rounded the same. A row of 0.01s with one 1000 per group
-    makes the rounding visible: int16 steps of 1000 / 32767 take every 0.01 to 0, moving
-    outputs by ~0.1-1, while fp32 summation moves them by ~1e-3 at most."""
+    """A row's result does not depend on its batch: alone, and at every place among 1 to
+    2 x MAX_KERNEL_ROWS other rows (every tile size of the kernel), it is bit for bit the
+    same. A row of 0.01s with one 1000 per group makes int16's rounding visible (steps of
+    1000 / 32767 take every 0.01 to 0), so the row is rounded, not passed through."""
     k = q.shape[1]
     x = torch.full((1, k), 0.01)
     x[0, ::32] = 1000.0
     alone = q.linear(x, bias, "int16")[0]
-    many = q.linear(torch.cat([x, torch.randn(MAX_KERNEL_ROWS, k)]), bias, "int16")[0]
-    assert (many - alone).abs().max() < 1e-2
+    for before, after in [(0, 1), (3, 4), (5, 2), (7, 0), (8, 8), (MAX_KERNEL_ROWS, 100)]:
+        rows = torch.cat([torch.randn(before, k), x, torch.randn(after, k)])
+        assert torch.equal(q.linear(rows, bias, "int16")[before], alone), (before, after)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("n", [16, 33, 96])
+def test_the_kernels_layout_round_trips(kind: str, n: int) -> None:
+    """Row layout -> blocks of 16 channels -> row layout is the identity, the padding of a
+    last partial block is zero, and dequantize reads the blocks as the rows say."""
+    k = 96
+    if kind == "q4":
+        codes = torch.from_numpy(RNG.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
+        scales = torch.randn(n, k // 32, 2)
+    else:
+        codes = torch.from_numpy(RNG.integers(-128, 128, size=(n, k), dtype=np.int8))
+        scales = torch.randn(n, k // 32)
+    q = QuantWeight.pack(kind, codes, scales)
+    back_codes, back_scales = q.rows()
+    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
+    assert q.codes.shape[0] == -(-n // 16) and q.nbytes == q.codes.nbytes + q.scales.nbytes
+    # By hand from the row layout (q4: byte j = element j low, j + 16 high nibble).
+    if kind == "q4":
+        elems = torch.cat(
+            [torch.cat([g & 0x0F, g >> 4], -1) for g in codes.view(n, k // 32, 16).unbind(1)], -1
+        )
+        dense = elems.float().view(n, -1, 32) * scales[..., :1] + scales[..., 1:]
+    else:
+        dense = codes.float().view(n, -1, 32) * scales[..., None]
+    assert torch.allclose(q.dequantize(), dense.view(n, k), rtol=1e-6, atol=1e-6)
+    ng, first_pad = k // 32, n % 16  # channels [n % 16, 16) of the last block are padding
+    if first_pad:
+        per = 8 if kind == "q4" else 16  # records of 32 bytes per group
+        assert not q.codes[-1].view(ng, per, 16, 2)[:, :, first_pad:].any()
+        assert not q.scales[-1].view(ng, -1, 16)[..., first_pad:].any()
 
 
 def test_rows_fuse_and_look_up() -> None:
