@@ -309,11 +309,13 @@ def batch_one(model: str, draft: Path, quick: bool) -> list[dict[str, Any]]:
 def _compare(
     stacks: dict[str, tuple[str, str, str]], n: int, max_tokens: int, repeats: int
 ) -> dict[str, float]:
-    """n concurrent requests on each stack in turn, `repeats` times: median tokens/s."""
+    """n concurrent requests on each stack in turn, `repeats` times, the order reversed
+    every other time (the machine drifts within a minute): median tokens/s."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
     runs: dict[str, list[float]] = {name: [] for name in stacks}
-    for _ in range(repeats):
-        for name, (url, _, served) in stacks.items():
+    for i in range(repeats):
+        order = list(stacks.items())
+        for name, (url, _, served) in order[:: -1 if i % 2 else 1]:
             time.sleep(1.0)  # the other stack's threads settle
             s, tokens = asyncio.run(_round(url, served, prompts, max_tokens))
             runs[name].append(tokens / s)
@@ -349,7 +351,7 @@ def default_at(model: str, n: int, quick: bool) -> dict[str, Any]:
     """n concurrent requests with the default speculative configuration vs none."""
     configs = [("off", (), ()), ("ngram_default", ("--speculative", "ngram"), ())]
     with _stacks(model, configs) as stacks:
-        rates = _compare(stacks, n, 96, 1 if quick else 3)
+        rates = _compare(stacks, n, 96, 1 if quick else 6)
     print(f"{n} concurrent: {rates}", flush=True)
     return {"concurrent": n, **rates, "ratio": round(rates["ngram_default"] / rates["off"], 3)}
 

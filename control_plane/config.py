@@ -107,7 +107,7 @@ class ControlConfig(GrpcServerConfig):
         default=4, metadata={"help": "ngram speculation: longest suffix looked up"}
     )
     speculative_max_batch: int = field(
-        default=2,
+        default=8,
         metadata={
             "help": "speculate only in steps where at most this many requests decode "
             "(beyond it verifying proposals costs the batch more than it saves)"

@@ -32,7 +32,7 @@ class SpeculativeConfig:
     num_tokens: int = 4  # most proposed tokens per request per step (k)
     ngram_min: int = 1
     ngram_max: int = 4
-    max_batch: int = 2  # speculate only while at most this many requests decode
+    max_batch: int = 8  # speculate only while at most this many requests decode
     adaptive: bool = True  # k per request follows its acceptance
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import decode_step, offline, online, overhead, peers, profile
+from benchmarks import decode_step, offline, online, overhead, peers, profile, quant_kernel
 from benchmarks.workload import PRESETS, Preset, make_workload
 from hetero_common.model_path import bundled_gguf
 
@@ -94,6 +94,19 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
         }
         assert all(v > 0 for v in parts.values())
         assert parts["total_ms"] >= max(v for k, v in parts.items() if k != "total_ms")
+
+
+def test_quant_kernel_benchmark_tiny(tmp_path: Path) -> None:
+    """Every shape at each row count, with the three ways timed (the benchmark itself
+    checks the kernel's product against the dense GEMM before it times it)."""
+    report = quant_kernel.main(
+        ["--rows", "1,9", "--budget", "0", "--out", str(tmp_path / "q.json")]
+    )
+    assert json.loads((tmp_path / "q.json").read_text())["results"] == report["results"]
+    got = {(r["shape"], r["rows"]) for r in report["results"]}
+    assert got == {(s, m) for s in quant_kernel.SHAPES for m in (1, 9)}
+    for r in report["results"]:
+        assert min(r["kernel_us"], r["dequantize_gemm_us"], r["gemm_dense_us"]) > 0
 
 
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:

@@ -67,7 +67,7 @@ def test_adaptive_k_follows_acceptance_and_pauses_failing_requests() -> None:
             break
     assert spec.state["r"].paused >= 1
     assert spec.propose("r", [1, 2], 100) == 0  # paused
-    assert spec.active(2) and not spec.active(3)  # the default max_batch
+    assert spec.active(8) and not spec.active(9)  # the default max_batch
     fixed = Speculator(SpeculativeConfig("draft", num_tokens=3, adaptive=False))
     fixed.observe("r", 3, 0)
     assert fixed.propose("r", [1], 100) == 3
