@@ -15,6 +15,12 @@ Three figures, each against what the hardware allows:
    process, planning one step at a time and with `--async-scheduling`
    (`paths.<in_process|grpc|grpc_async>.output_tok_s`, and each gRPC path's ratio to
    in-process).
+4. **Quantized weights** (`--quantization fp8|int8`, [L]): the same model with its layer
+   matrices in FP8 (`torch._scaled_mm`, activations per token) and weight-only INT8:
+   in-process throughput on the same workload and the decode step at batch 1/64/256,
+   each against bf16 (`quantized.<fp8|int8>`), and the logits of a fixed prompt (prefill
+   of 64 tokens, then 16 more one a step) against bf16's: max abs difference over the max |logit|, the
+   stated tolerance being 0.1 for fp8 and 0.02 for int8 (`logits_ok`).
 
 The model is randomly initialised with Qwen3-0.6B's shape (28 layers, hidden 1024,
 16 query / 8 KV heads of 128, vocabulary 151936, tied embeddings), written as a
@@ -181,11 +187,7 @@ def _decode_graph_time(engine: Any, batch: int, ctx: int) -> float:
 
 def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
     cfg = engine.model_config
-    weight_bytes = sum(
-        t.nbytes
-        for t in [engine.model.embed, engine.model.final_norm]
-        + [x for layer in engine.model.layers for x in vars(layer).values() if torch.is_tensor(x)]
-    )
+    weight_bytes = engine.model.weight_bytes
     per_token_kv = (
         2
         * cfg.num_layers
@@ -210,6 +212,70 @@ def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
     return rows
 
 
+STATED_LOGIT_TOLERANCE = {"fp8": 0.1, "int8": 0.02}  # max |diff| / max |logit| vs bf16
+
+
+def _prompt_logits(engine: Any, vocab: int) -> torch.Tensor:
+    """Logits at each position of a fixed 80-token sequence: its first 64 tokens in one
+    step, then one token a step (the shape of decode steps), the same tokens whatever
+    the weights (greedy choices would part ways on near-ties of random weights)."""
+    from tests.compute.step_driver import StepDriver
+
+    engine.capture_logits = True
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(100, vocab, (80,), generator=gen).tolist()
+    engine.step(drv.step(new=[drv.new("probe", tokens, 64)]))
+    for _ in range(16):
+        engine.step(drv.step(cont=[drv.cont("probe", 1)]))
+    logits = torch.cat(engine.captured_logits.pop("probe")).float().cpu()
+    engine.step(drv.step(finished=["probe"]))
+    engine.capture_logits = False
+    return logits
+
+
+def quantized(folder: Path, work: Any, peak: float, kinds: list[str]) -> dict[str, Any]:
+    """Each of `kinds` against bf16 on the same model: throughput, decode steps, logits."""
+    from benchmarks.offline import run_ours
+    from compute_plane.config import ComputeConfig
+    from hetero_infer.offline import OfflineLLM
+
+    out: dict[str, Any] = {}
+    base: dict[str, Any] = {}
+    for kind in ["none", *kinds]:
+        compute = ComputeConfig(model=str(folder), metrics_port=-1, quantization=kind)
+        llm = OfflineLLM(str(folder), compute=compute)
+        vocab = llm.engine.model_config.vocab_size
+        logits = _prompt_logits(llm.engine, vocab)
+        fig = run_ours(llm, work)
+        row: dict[str, Any] = {
+            "weight_bytes": llm.engine.model.weight_bytes,
+            "output_tok_s": fig["output_tokens_per_s"],
+            "decode_step": step_times(llm.engine, peak),
+        }
+        if kind == "none":
+            base = {"logits": logits, **row}
+            out["bf16"] = row
+        else:
+            diff = (logits - base["logits"]).abs().max().item()
+            rel = diff / base["logits"].abs().max().item()
+            row |= {
+                "vs_bf16": round(row["output_tok_s"] / base["output_tok_s"], 3),
+                "logits_max_abs_diff": round(diff, 4),
+                "logits_diff_of_max": round(rel, 4),
+                "logits_ok": rel <= STATED_LOGIT_TOLERANCE[kind],
+                "greedy_agree": float(
+                    (logits.argmax(-1) == base["logits"].argmax(-1)).float().mean()
+                ),
+            }
+            out[kind] = row
+        print(kind, json.dumps({k: v for k, v in row.items() if k != "decode_step"}), flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/qwen3-0.6b-random"))
@@ -218,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--hf", action="store_true", help="also HF generate, static batches")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("docs/perf/gpu.json"))
+    ap.add_argument("--quantizations", default="fp8,int8", help="compared with bf16 ('' to skip)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.gpu needs a CUDA device")
@@ -269,6 +336,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "vs_in_process": round(fig["output_tokens_per_s"] / ours["output_tokens_per_s"], 3),
         }
         print(json.dumps(fig), flush=True)
+        save()
+    if args.quantizations:
+        report["quantized"] = quantized(folder, work, peak, args.quantizations.split(","))
         save()
     if args.hf:
         hf = run_hf(str(folder), work, args.hf_batch_size)

@@ -73,9 +73,12 @@ class ComputeConfig(GrpcServerConfig):
     quantization: str = field(
         default="auto",
         metadata={
-            "help": "auto: a quantized GGUF's weights stay quantized on the CPU (float32 "
-            "only; dequantized on CUDA); none: dequantize every weight; int8: also quantize "
-            "dense weights to int8 per group of 32 (CPU, float32)"
+            "help": "auto: a quantized GGUF's weights stay quantized on the CPU in float32 "
+            "(dequantized on CUDA), an FP8 checkpoint stays FP8 on GPUs with FP8 matmuls "
+            "(compute capability 8.9+; INT8 on others); none: dequantize every weight; "
+            "int8: quantize dense weights to int8 too (CPU float32: per group of 32, the C "
+            "kernels; elsewhere weight-only per output channel); fp8: quantize the layers' "
+            "matrices to FP8 e4m3 per output channel, activations per token (torch._scaled_mm)"
         },
     )
     cpu_activations: str = field(
@@ -108,8 +111,10 @@ class ComputeConfig(GrpcServerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.quantization not in ("auto", "none", "int8"):
-            raise ValueError(f"quantization must be auto, none or int8, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8", "fp8"):
+            raise ValueError(
+                f"quantization must be auto, none, int8 or fp8, got {self.quantization!r}"
+            )
         if self.cpu_activations not in ("int16", "fp32"):
             raise ValueError(f"cpu_activations must be int16 or fp32, got {self.cpu_activations!r}")
         if self.dtype not in _DTYPES:

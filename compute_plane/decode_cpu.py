@@ -26,6 +26,7 @@ import torch
 
 from compute_plane.native import KernelUnavailable, load_library
 from compute_plane.quant import MAX_KERNEL_ROWS, QuantWeight, Weight
+from compute_plane.scaled import ScaledWeight
 
 if TYPE_CHECKING:
     from compute_plane.attention import AttentionMetadata
@@ -89,6 +90,7 @@ def _weight(w: Weight, bias: torch.Tensor | None = None) -> _DWeight:
         return _DWeight(
             _KINDS[w.kind], n, k, w.codes.data_ptr(), w.scales.data_ptr(), _ptr_of(bias)
         )
+    assert isinstance(w, torch.Tensor), "FP8/INT8 weights do not run the fused CPU step"
     return _DWeight(0, w.shape[0], w.shape[1], w.data_ptr(), None, _ptr_of(bias))
 
 
@@ -104,6 +106,8 @@ def unsupported(model: Model) -> str | None:
         ):
             return "dense layer weights"
     e = model.embed
+    if isinstance(e, ScaledWeight):
+        return "embedding layout"
     if not isinstance(e, QuantWeight) and not (e.is_contiguous() and e.dtype == torch.float32):
         return "embedding layout"
     return None

@@ -36,20 +36,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_quantization(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """What the weights become: "gguf" (quantized GGUF weights stay quantized), "int8"
-    (dense weights quantized too) or None (all dense). Quantized weights run on the CPU's
-    C kernels with float32 activations; `auto` falls back to dense elsewhere."""
+    """What the weights become (quant.prepare's modes): None (all dense); on the CPU in
+    float32, "gguf" (a quantized GGUF's weights stay quantized, the C kernels) or "int8"
+    (dense matrices quantized too, per group of 32); elsewhere (GPU, bf16/fp16),
+    "checkpoint" (an FP8 checkpoint stays FP8; `auto`), "fp8" or "int8_scaled" (the
+    layer matrices quantized per output channel on load: compute_plane.scaled)."""
     from compute_plane.quant import kernels_available
 
     if name == "none":
         return None
-    usable = device.type == "cpu" and dtype == torch.float32
+    cpu_kernels = device.type == "cpu" and dtype == torch.float32
     if name == "auto":
-        return "gguf" if usable and kernels_available() else None
-    if not usable:
-        raise ValueError(
-            f"--quantization {name} runs on the CPU in float32, not on {device} in {dtype}"
-        )
+        if cpu_kernels:
+            return "gguf" if kernels_available() else None
+        return "checkpoint"
+    if name == "fp8":
+        return "fp8"
+    if not cpu_kernels:
+        return "int8_scaled"
     if not kernels_available():
         raise ValueError(f"--quantization {name}: the quantized CPU kernels cannot be built here")
     return name

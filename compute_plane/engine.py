@@ -76,7 +76,12 @@ def load_for(config: ComputeConfig, path: Path, progress: bool = False) -> Loade
     (never materialised in float) where the engine keeps them so."""
     device = resolve_device(config.device)
     mode = resolve_quantization(config.quantization, device, resolve_dtype(config.dtype, device))
-    return load_model(path, progress=progress, quantized=mode is not None)
+    return load_model(
+        path,
+        progress=progress,
+        quantized=mode in ("gguf", "int8"),
+        keep_fp8=mode in ("checkpoint", "fp8", "int8_scaled"),
+    )
 
 
 def _return_freed_memory() -> None:
@@ -166,7 +171,7 @@ class Engine:
                 f"a sliding window of {cfg.max_window} (its old blocks are freed)"
             )
         max_len = min(cfg.max_position_embeddings, config.max_model_len or 1 << 30)
-        weights = quant.prepare(loaded.weights, self.quantization)
+        weights = quant.prepare(loaded.weights, self.quantization, self.device)
         kernels = model_kernels(backend, dcfg, self.device)
         model = Model(
             dcfg, weights, self.device, self.dtype, max_len + 1, kernels,
@@ -192,7 +197,7 @@ class Engine:
         if draft is not None:
             mine = bytes_per_block(cfg, self.block_size, self.dtype)
             share = mine / (mine + bytes_per_block(draft[0].cfg, self.block_size, self.dtype))
-        weights = quant.prepare(loaded.weights, self.quantization)
+        weights = quant.prepare(loaded.weights, self.quantization, self.device)
         max_len = min(
             cfg.max_position_embeddings, config.max_model_len or cfg.max_position_embeddings
         )

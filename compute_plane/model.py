@@ -20,6 +20,7 @@ from compute_plane.decode_cpu import FusedDecode, fused_decode
 from compute_plane.model_config import ModelConfig
 from compute_plane.quant import QuantWeight, Weight, cat, weight_bytes
 from compute_plane.rotary import RotaryEmbedding
+from compute_plane.scaled import ScaledWeight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,6 +63,8 @@ def with_quantized(dense: DenseLinear, activations: str = "int16") -> Linear:
     def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(w, QuantWeight):
             return w.linear(x, bias, activations)
+        if isinstance(w, ScaledWeight):
+            return w.linear(x, bias)
         return dense(x, w, bias)
 
     return linear
@@ -138,7 +141,10 @@ def _tensor(w: dict[str, Weight], name: str) -> torch.Tensor:
 
 
 def _place(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
-    """On its device in `dtype`; a QuantWeight stays as it is only on the CPU in fp32."""
+    """On its device in `dtype`; a QuantWeight stays as it is only on the CPU in fp32, a
+    ScaledWeight (FP8/INT8) keeps its 8-bit values on any device."""
+    if isinstance(w, ScaledWeight):
+        return w.to(device)
     if isinstance(w, QuantWeight):
         if device.type == "cpu" and dtype == torch.float32:
             return w
@@ -230,6 +236,7 @@ class Model:
             return fused(input_ids, positions, meta, kv_caches)
         self.attention.prepare(meta)
         embed = self.embed
+        assert not isinstance(embed, ScaledWeight), "embeddings are never FP8/INT8 here"
         h = embed.dequantize(input_ids) if isinstance(embed, QuantWeight) else embed[input_ids]
         if self.embedding_scale is not None:
             h = h * self.embedding_scale

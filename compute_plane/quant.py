@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,13 +28,14 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import Q4_K, dequantize
 
 from compute_plane.native import KernelUnavailable, load_library
+from compute_plane.scaled import ScaledWeight, quantize, reencode
 
 log = logging.getLogger(__name__)
 
 GROUP = 32
 BLOCK = 16  # output channels per block of the kernels' layout
 MAX_KERNEL_ROWS = 128  # the most rows of a fused decode step (decode_cpu.py)
-QUANTIZATIONS = ("auto", "none", "int8")
+QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 # How the decode kernels multiply activations by quantized weights (csrc/quant_linear_cpu.c):
 # int16: x rounded to int16 per group of 32, integer multiply-adds; fp32: exact.
 ACTIVATIONS = ("int16", "fp32")
@@ -209,16 +211,25 @@ def _unpack(
     )
 
 
-def cat(parts: Sequence[torch.Tensor | QuantWeight]) -> torch.Tensor | QuantWeight:
+def cat(parts: Sequence[Weight]) -> Weight:
     """Concatenate weights along N (fusing q|k|v, gate|up); dense if the kinds differ."""
-    kinds = {p.kind if isinstance(p, QuantWeight) else "dense" for p in parts}
-    if len(kinds) == 1 and "dense" not in kinds:
-        rows = [p.rows() for p in parts if isinstance(p, QuantWeight)]
-        kind = next(iter(kinds))
-        return QuantWeight.pack(
-            kind, torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
-        )
-    return torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p for p in parts])
+    quant = [p for p in parts if isinstance(p, QuantWeight)]
+    if len(quant) == len(parts) and len({p.kind for p in quant}) == 1:
+        rows = [p.rows() for p in quant]
+        codes, scales = torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
+        return QuantWeight.pack(quant[0].kind, codes, scales)
+    scaled = [p for p in parts if isinstance(p, ScaledWeight)]
+    if len(scaled) == len(parts) and len({p.kind for p in scaled}) == 1:
+        data, scale = torch.cat([p.data for p in scaled]), torch.cat([p.scale for p in scaled])
+        return ScaledWeight(scaled[0].kind, data, scale)
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
+    return torch.cat([p if isinstance(p, torch.Tensor) else _dense(p, dtype) for p in parts])
+
+
+def _dense(w: QuantWeight | ScaledWeight, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(w, ScaledWeight):
+        return w.dequantize(dtype)
+    return w.dequantize().to(dtype=dtype, device=w.codes.device)
 
 
 def quantize_q8(w: torch.Tensor) -> QuantWeight:
@@ -230,18 +241,40 @@ def quantize_q8(w: torch.Tensor) -> QuantWeight:
     return QuantWeight.pack("q8", codes.reshape(n, k).contiguous(), s.contiguous())
 
 
-Weight = torch.Tensor | QuantWeight
+Weight = torch.Tensor | QuantWeight | ScaledWeight
+# The layer matrices --quantization fp8 / int8 (off the CPU's fp32 kernels) quantize.
+_LAYER_MATRIX = re.compile(r"model\.layers\.\d+\..*_proj\.weight$")
 
 
-def prepare(weights: Mapping[str, Weight], mode: str | None) -> dict[str, Weight]:
-    """The weights a model runs on: mode None dequantizes every QuantWeight; "int8"
-    also quantizes the dense matrices (not norms or biases) to q8; "gguf" keeps both."""
+def prepare(
+    weights: Mapping[str, Weight], mode: str | None, device: torch.device | None = None
+) -> dict[str, Weight]:
+    """The weights a model runs on (mode: what device.resolve_quantization gave):
+
+    None: every weight dense. "gguf": a GGUF's quantized matrices stay QuantWeight (CPU);
+    "int8": dense matrices (not norms, biases) become q8 too (CPU). Off the CPU's fp32
+    kernels: "fp8" / "int8_scaled" quantize each layer's projection matrices to FP8 /
+    INT8 per output channel (compute_plane.scaled), "checkpoint" keeps only an FP8
+    checkpoint's matrices in FP8. An FP8 matrix on a device without FP8 matmuls becomes
+    INT8; with mode None or "gguf" it is dequantized."""
+    dev = device or torch.device("cpu")
     out: dict[str, Weight] = {}
     for name, w in weights.items():
-        if isinstance(w, QuantWeight) and mode is None:
+        if isinstance(w, ScaledWeight):
+            if mode == "int8_scaled" and w.kind == "fp8":
+                w = quantize(w.dequantize(), "int8", dev)
+            elif mode in ("fp8", "int8_scaled", "checkpoint"):
+                w = reencode(w, dev)
+            else:
+                w = w.dequantize()
+        elif isinstance(w, QuantWeight) and mode not in ("gguf", "int8"):
             w = w.dequantize()
-        elif mode == "int8" and isinstance(w, torch.Tensor) and _matrix(w):
-            w = quantize_q8(w)
+        if isinstance(w, torch.Tensor) and _matrix(w):
+            if mode == "int8":
+                w = quantize_q8(w)
+            elif mode in ("fp8", "int8_scaled") and _LAYER_MATRIX.search(name):
+                kind = "fp8" if mode == "fp8" and w.shape[0] % 16 == 0 else "int8"
+                w = quantize(w, kind, dev)
         out[name] = w
     return out
 
@@ -254,7 +287,7 @@ def weight_bytes(weights: Mapping[str, Weight]) -> int:
     """What the weights take in memory; a tied weight counted once."""
     seen: dict[int, int] = {}
     for w in weights.values():
-        t = w.codes if isinstance(w, QuantWeight) else w
+        t = w.codes if isinstance(w, QuantWeight) else w.data if isinstance(w, ScaledWeight) else w
         seen[id(t)] = w.nbytes
     return sum(seen.values())
 

@@ -96,6 +96,29 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
         assert parts["total_ms"] >= max(v for k, v in parts.items() if k != "total_ms")
 
 
+def test_gpu_benchmarks_logit_probe_on_cpu(tmp_path: Path) -> None:
+    """benchmarks.gpu's FP8/INT8 logit comparison (the throughput needs CUDA), on a tiny
+    model in bf16 on the CPU: 80 positions each, within the stated tolerances of bf16."""
+    from benchmarks import gpu
+    from compute_plane.config import ComputeConfig
+    from compute_plane.engine import Engine, load_for
+    from tests.conftest import make_tiny_model
+
+    make_tiny_model("llama", tmp_path)
+    logits = {}
+    for kind in ("none", "fp8", "int8"):
+        cfg = ComputeConfig(
+            model=str(tmp_path), dtype="bfloat16", quantization=kind, kv_cache_bytes=64 << 20
+        )
+        engine = Engine(cfg, load_for(cfg, tmp_path))
+        logits[kind] = gpu._prompt_logits(engine, engine.model_config.vocab_size)
+        assert logits[kind].shape == (80, engine.model_config.vocab_size)
+    top = logits["none"].abs().max()
+    for kind, tol in gpu.STATED_LOGIT_TOLERANCE.items():
+        rel = (logits[kind] - logits["none"]).abs().max() / top
+        assert 0 < rel <= tol, (kind, rel)
+
+
 def test_quant_kernel_benchmark_tiny(tmp_path: Path) -> None:
     """Every shape at each row count, with the three ways timed (the benchmark itself
     checks the kernel's product against the dense GEMM before it times it)."""

@@ -10,6 +10,7 @@ import torch
 
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
 from compute_plane.quant import QuantWeight
+from compute_plane.scaled import ScaledWeight
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model"]
 
@@ -22,19 +23,25 @@ class ModelLoadError(ValueError):
 class LoadedModel:
     config: ModelConfig
     # Hugging Face parameter names, in the requested dtype (or quantized: QuantWeight)
-    weights: dict[str, torch.Tensor | QuantWeight]
+    weights: dict[str, torch.Tensor | QuantWeight | ScaledWeight]
     source: str  # "hf" | "gguf"
     path: Path
 
 
 def load_model(
-    path: Path, dtype: torch.dtype = torch.float32, progress: bool = True, quantized: bool = False
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    quantized: bool = False,
+    keep_fp8: bool = False,
 ) -> LoadedModel:
     """Load a model folder (config.json + safetensors) or a .gguf file.
 
     `progress`: a progress bar, drawn only where stderr is a terminal (not in pods).
     `quantized`: a GGUF file's quantized matrices come back as QuantWeight, never
     materialised in float (compute_plane.quant).
+    `keep_fp8`: an FP8 checkpoint's matrices with a per-tensor or per-channel scale come
+    back as ScaledWeight (compute_plane.scaled), not dequantized.
 
     The weights come back under Hugging Face names, exactly the set the model uses
     (`lm_head.weight` may be absent when `config.tie_word_embeddings`).
@@ -47,11 +54,12 @@ def load_model(
 
     path = Path(path)
     if path.is_dir():
-        config, dense = load_hf(path, dtype, progress)
-        weights: dict[str, torch.Tensor | QuantWeight] = dict(dense)
+        config, dense = load_hf(path, dtype, progress, keep_fp8)
+        weights: dict[str, torch.Tensor | QuantWeight | ScaledWeight] = dict(dense)
         source = "hf"
     elif path.is_file() and path.suffix == ".gguf":
-        config, weights = load_gguf(path, dtype, progress, quantized)
+        config, gguf_weights = load_gguf(path, dtype, progress, quantized)
+        weights = dict(gguf_weights)
         source = "gguf"
     else:
         raise ModelLoadError(

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
+from compute_plane.scaled import FP8, ScaledWeight, from_fp8
 
 # HF `architectures` entry -> (our architecture, q/k/v bias unless config says, per-head q/k norm)
 _ARCHITECTURES = {
@@ -27,9 +28,10 @@ _SINGLE = "model.safetensors"
 
 
 def load_hf(
-    folder: Path, dtype: torch.dtype, progress: bool
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """config.json -> ModelConfig; every tensor of the safetensors file(s), cast to `dtype`."""
+    folder: Path, dtype: torch.dtype, progress: bool, keep_fp8: bool = False
+) -> tuple[ModelConfig, dict[str, torch.Tensor | ScaledWeight]]:
+    """config.json -> ModelConfig; every tensor of the safetensors file(s), cast to `dtype`
+    (an FP8 checkpoint's matrices: see dequantize_fp8 and `keep_fp8`)."""
     config = read_config(folder)
     files = _weight_files(folder)
     weights: dict[str, torch.Tensor] = {}
@@ -56,11 +58,8 @@ def load_hf(
     except SafetensorError as e:
         raise ModelLoadError(f"{folder}: unreadable safetensors file: {e}") from e
     if fp8 is not None:
-        weights = dequantize_fp8(weights, fp8, dtype)
-    return config, weights
-
-
-FP8 = torch.float8_e4m3fn
+        return config, dequantize_fp8(weights, fp8, dtype, keep_fp8)
+    return config, dict(weights)
 
 
 def _fp8_config(folder: Path) -> dict[str, Any] | None:
@@ -78,14 +77,15 @@ def _fp8_config(folder: Path) -> dict[str, Any] | None:
 
 
 def dequantize_fp8(
-    weights: dict[str, torch.Tensor], qc: dict[str, Any], dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor], qc: dict[str, Any], dtype: torch.dtype, keep: bool = False
+) -> dict[str, torch.Tensor | ScaledWeight]:
     """An FP8 checkpoint as vLLM loads it (quant_method "fp8"): e4m3 matrices with a scale
     per tensor, per output channel, or per block (`weight_block_size`, the scale then
-    named `weight_scale_inv`), dequantized to `dtype`; static activation scales
-    (`input_scale`) are dropped (activations stay in `dtype`)."""
+    named `weight_scale_inv`), dequantized to `dtype`, or with `keep` (per-tensor and
+    per-channel scales) kept as ScaledWeight; static activation scales (`input_scale`)
+    are dropped (activations are scaled per token when they meet FP8 weights)."""
     block = qc.get("weight_block_size")
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | ScaledWeight] = {}
     for name, t in weights.items():
         if name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
             continue
@@ -96,6 +96,9 @@ def dequantize_fp8(
         scale = weights.get(stem + "weight_scale", weights.get(stem + "weight_scale_inv"))
         if scale is None:
             raise ModelLoadError(f"{name}: an fp8 weight without weight_scale")
+        if keep and (kept := from_fp8(t, scale)) is not None:
+            out[name] = kept
+            continue
         w, scale = t.to(torch.float32), scale.to(torch.float32)
         if scale.numel() == 1:
             w = w * scale.reshape(())
