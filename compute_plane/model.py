@@ -20,7 +20,7 @@ from compute_plane.decode_cpu import FusedDecode, fused_decode
 from compute_plane.model_config import ModelConfig
 from compute_plane.quant import QuantWeight, Weight, cat, weight_bytes
 from compute_plane.rotary import RotaryEmbedding
-from compute_plane.scaled import ScaledWeight
+from compute_plane.scaled import ScaledWeight, prepare_device
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,7 +144,9 @@ def _place(w: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
     """On its device in `dtype`; a QuantWeight stays as it is only on the CPU in fp32, a
     ScaledWeight (FP8/INT8) keeps its 8-bit values on any device."""
     if isinstance(w, ScaledWeight):
-        return w.to(device)
+        w = w.to(device)
+        prepare_device(w, device, dtype)
+        return w
     if isinstance(w, QuantWeight):
         if device.type == "cpu" and dtype == torch.float32:
             return w

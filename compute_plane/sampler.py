@@ -137,13 +137,22 @@ def _apply_penalties(
 
 
 def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p, vectorised over rows with one sort."""
+    """Temperature, then top-k, top-p and min-p, vectorised over rows with one sort (none
+    when no row cuts, a top-k selection when rows cut by top-k alone)."""
     dev, dt = logits.device, logits.dtype
     logits = logits / torch.tensor([s.temperature for s in specs], device=dev, dtype=dt)[:, None]
     if all(s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0.0 for s in specs):
         return logits.softmax(dim=-1)  # nothing to cut: skip the sort
     vocab = logits.shape[1]
     top_k = torch.tensor([s.top_k or vocab for s in specs], device=dev)
+    k_max = max(s.top_k or vocab for s in specs)
+    if k_max < vocab and all(s.top_p >= 1.0 and s.min_p == 0.0 for s in specs):
+        # top-k alone needs the k largest, not the whole vocabulary in order.
+        vals, ids = logits.topk(k_max, dim=-1)
+        vals = vals.masked_fill(
+            torch.arange(k_max, device=dev)[None, :] >= top_k[:, None], -math.inf
+        )
+        return torch.full_like(logits, -math.inf).scatter(1, ids, vals).softmax(dim=-1)
     # top_p 1 means off: with it the float cumsum could cut a far tail that rounds to 1.
     top_p = torch.tensor([s.top_p if s.top_p < 1.0 else 2.0 for s in specs], device=dev, dtype=dt)
     min_p = torch.tensor([s.min_p for s in specs], device=dev, dtype=dt)

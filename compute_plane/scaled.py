@@ -97,12 +97,29 @@ def from_fp8(data: torch.Tensor, scale: torch.Tensor) -> ScaledWeight | None:
     return ScaledWeight("fp8", data.contiguous(), s.contiguous().clone())
 
 
+@functools.cache
 def fp8_supported(device: torch.device) -> bool:
-    """Whether FP8 matmuls run here: CUDA compute capability 8.9+, or the CPU (torch's
-    reference implementation, for tests)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_capability(device) >= (8, 9)
-    return device.type == "cpu"
+    """Whether FP8 matmuls with per-row and per-column scales run here: CUDA compute
+    capability 8.9+ (checked by a tiny product), or the CPU (torch's reference
+    implementation, for tests). Called when weights are placed, never in a CUDA graph."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    if device.type not in ("cuda", "cpu"):
+        return False
+    try:
+        w = quantize_fp8(torch.eye(16, 32, device=device))
+        out = _fp8_mm(torch.ones(2, 32, device=device, dtype=torch.bfloat16), w.data, w.scale)
+        ok = bool(torch.allclose(out.float().cpu(), torch.ones(2, 16)))
+    except (RuntimeError, NotImplementedError) as e:
+        log.warning("FP8 matmuls unavailable on %s (%s): FP8 weights run as INT8", device, e)
+        return False
+    return ok
+
+
+def prepare_device(w: ScaledWeight, device: torch.device, dtype: torch.dtype) -> None:
+    """Run the probes w's linear relies on now (at placement), not in a CUDA graph."""
+    if w.kind == "int8":
+        _int8pack_works(device, dtype)
 
 
 def quantize(w: torch.Tensor, kind: str, device: torch.device) -> ScaledWeight:
@@ -123,7 +140,7 @@ def _fp8_mm(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.T
     """x [M, K] (bf16/fp16/fp32) @ (scale * data).T with x quantized per row to e4m3."""
     x32 = x.to(torch.float32)
     sx = (x32.abs().amax(1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # [M, 1]
-    xq = (x32 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    xq = (x32 / sx).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous()
     y = torch._scaled_mm(xq, data.t(), scale_a=sx, scale_b=scale[None, :], out_dtype=torch.bfloat16)
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 

@@ -264,13 +264,17 @@ class ControlEngine:
         return plane
 
     def _settle(self, stream: GenerateStream, plane: ComputePlane) -> None:
-        """Record that `stream` lives on `plane` (its prompt blocks count there)."""
+        """Record that `stream` lives on `plane` (its prompt blocks count there for the
+        placement of later requests: with one compute plane there is nothing to place, and
+        the prompt is not hashed here; blocks it has computed count through the cache)."""
         self._unsettle(stream)
         sched = plane.scheduler
         assert sched is not None
         stream.plane = plane
-        stream.route_keys = prompt_keys(stream.prompt_token_ids, sched.block_manager.block_size)
-        plane.placed_keys.update(stream.route_keys)
+        if len(self.planes) > 1:
+            bs = sched.block_manager.block_size
+            stream.route_keys = prompt_keys(stream.prompt_token_ids, bs)
+            plane.placed_keys.update(stream.route_keys)
 
     def _unsettle(self, stream: GenerateStream) -> None:
         plane = stream.plane

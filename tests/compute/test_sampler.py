@@ -119,6 +119,28 @@ def test_top_k_renormalises_the_kept_tokens() -> None:
     assert _chi2(tokens, want) < CHI2_DF4_P001
 
 
+def test_top_k_alone_keeps_each_rows_k_largest_without_a_full_sort() -> None:
+    """Rows cutting by top-k only take the top-k path (a selection of the largest k, no
+    sort of the vocabulary): each row's distribution is the softmax over its own k
+    largest logits / temperature, the others 0, as the full-sort path computes it."""
+    from compute_plane.sampler import _filtered_probs
+
+    torch.manual_seed(3)
+    logits = torch.randn(4, 50)
+    specs = [
+        SamplingSpec(temperature=t, top_k=k) for t, k in [(1.0, 1), (0.7, 3), (2.0, 10), (1.0, 49)]
+    ]
+    got = _filtered_probs(logits, specs)
+    for i, spec in enumerate(specs):
+        keep = logits[i].argsort(descending=True)[: spec.top_k]
+        want = torch.zeros(50)
+        want[keep] = (logits[i, keep] / spec.temperature).softmax(-1)
+        assert torch.allclose(got[i], want, atol=1e-6), spec
+    # With top_p in one row, the sort path: the same top-k rows as before.
+    mixed = _filtered_probs(logits, [*specs[:3], SamplingSpec(temperature=1.0, top_p=0.5)])
+    assert torch.allclose(mixed[:3], got[:3], atol=1e-6)
+
+
 def test_each_row_uses_its_own_filter() -> None:
     # P: 0.4, 0.25, 0.2, 0.1, 0.05; cumulative before each token: 0, 0.4, 0.65, 0.85, 0.95
     cases = [
