@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway import tool_calls
 from gateway.errors import APIError
@@ -144,6 +145,29 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
         watcher.cancel()
 
 
+async def aclose(iterator: Any) -> None:
+    """Close an async generator now (runs its `finally`); anything else: nothing."""
+    close = getattr(iterator, "aclose", None)
+    if close is not None:
+        await close()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that closes its body when the response ends, however it ends.
+
+    Starlette stops iterating the body when the client disconnects, but when the
+    disconnect lands while a chunk is being sent the body generator stays suspended at
+    its `yield`: its cleanup (cancelling the request's gRPC calls, so the control plane
+    frees its blocks) would wait for the garbage collector or the server's shutdown,
+    and the request would generate on to max_tokens for nobody."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await aclose(self.body_iterator)
+
+
 @dataclass
 class Call(Generic[Body]):
     """One HTTP request being served: its body, generate calls and response identity."""
@@ -198,7 +222,9 @@ class Serving(Generic[Body]):
             stream = await cancel_on_disconnect(
                 request, start_stream(self.mux, call.calls, self.timeout)
             )
-            return StreamingResponse(self.events(call, stream), media_type="text/event-stream")
+            return ClosingStreamingResponse(
+                self.events(call, stream), media_type="text/event-stream"
+            )
         return JSONResponse(await cancel_on_disconnect(request, self.collect(call)))
 
     # What a subclass provides.
@@ -277,6 +303,8 @@ class Serving(Generic[Body]):
                     yield sse(self.chunk(call, [], usage_json(usage)))
         except APIError as e:
             yield sse(e.body())
+        finally:  # closed early (the client left): the calls are cancelled now
+            await aclose(stream)
         yield sse("[DONE]")
 
     def add_token_ids(self, call: Call[Body], d: Delta, choice: dict[str, Any]) -> None:

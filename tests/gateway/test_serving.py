@@ -5,6 +5,7 @@ are the OpenAI API's documented ones (completions, chat completions, their chunk
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -265,3 +266,58 @@ def test_generation_config_defaults_fill_only_fields_left_out(
     params = link.mux.calls[-1].params
     assert params.temperature == pytest.approx(0.6) and params.top_k == 20
     assert params.top_p == pytest.approx(0.5)  # the request's own value wins
+
+
+def test_a_client_leaving_during_a_send_cancels_its_calls_at_once(link: FakeLink) -> None:
+    """The disconnect lands while a chunk is being sent: the stream's calls are cancelled
+    before the response returns, not when the garbage collector (off here) or the
+    server's shutdown closes the suspended body generator."""
+    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "stream": True}).encode()
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+    }
+    chunks: list[bytes] = []
+
+    async def run() -> list[str]:
+        gone = asyncio.Event()
+        requested = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                chunks.append(message["body"])
+                gone.set()  # the client leaves while its first chunk is on the way
+                await asyncio.sleep(0.05)
+
+        await app(scope, receive, send)
+        return list(link.mux.cancelled)  # before asyncio.run closes leftover generators
+
+    gc.disable()
+    try:
+        cancelled = asyncio.run(run())
+    finally:
+        gc.enable()
+    assert len([c for c in chunks if c]) == 1  # the stream stopped at the disconnect
+    assert cancelled == ["r0"]
