@@ -7,6 +7,8 @@ Three figures, each against what the hardware allows:
 
 1. **Decode attention kernel**: bytes of K/V it must read / its time, against the
    device-to-device copy bandwidth measured in the same run (the practical peak).
+   **Prefill attention kernel**: TFLOP/s of its causal dots on bf16 operands (tensor
+   cores), and on fp32 copies as before ([M]) (`prefill_kernel`).
 2. **Model decode step** (CUDA graph replay, batch 1 and 64): its time against
    (weight bytes + K/V bytes) / copy bandwidth, the least a memory-bound step can take.
 3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
@@ -31,6 +33,7 @@ is downloaded. Random weights change no kernel's cost.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -169,6 +172,43 @@ def kernel_bandwidth(peak: float) -> list[dict[str, Any]]:
     return rows
 
 
+def prefill_kernel() -> list[dict[str, Any]]:
+    """Prefill attention over bf16 caches in Qwen3-0.6B's head shape: TFLOP/s of the causal
+    dots with bf16 operands on tensor cores, and with the fp32 copies (tf32) it used before."""
+    from compute_plane.kernels.prefill_attention import paged_prefill_attention
+
+    h, kvh, d, bs = 16, 8, 128, 16
+    rows = []
+    for chunks, chunk, prefix in ((1, 2048, 0), (4, 512, 0), (8, 256, 1024)):
+        blocks_each = -(-(prefix + chunk) // bs)
+        n = chunks * blocks_each + 1
+        k = torch.randn(n, bs, kvh, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        tables = (1 + torch.randperm(n - 1, device="cuda")).view(chunks, blocks_each)
+        tables = tables.to(torch.int32)
+        lens = torch.full((chunks,), prefix + chunk, dtype=torch.int32, device="cuda")
+        starts = torch.arange(0, chunks * chunk + 1, chunk, dtype=torch.int32, device="cuda")
+        q = torch.randn(chunks * chunk, h, d, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        # Two dots of 2 * d flops per (query, key seen) pair and head.
+        pairs = chunks * sum(prefix + j + 1 for j in range(chunk))
+        flops = 4 * d * h * pairs
+        row: dict[str, Any] = {"chunks": chunks, "chunk": chunk, "prefix": prefix}
+        for name, native in (("bf16", True), ("fp32_copies", False)):
+            run = functools.partial(
+                paged_prefill_attention, q, k, v, tables, lens, starts, chunk, d**-0.5,
+                out=out, native=native,
+            )  # fmt: skip
+            t = _time_cuda(run, iters=20)
+            row[f"{name}_us"] = round(t * 1e6, 1)
+            row[f"{name}_TFLOP_s"] = round(flops / t / 1e12, 1)
+        row["bf16_speedup"] = round(row["fp32_copies_us"] / row["bf16_us"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    torch.cuda.empty_cache()
+    return rows
+
+
 def _decode_graph_time(engine: Any, batch: int, ctx: int) -> float:
     """Seconds per replay of the decode graph of `batch`, each sequence `ctx` tokens long."""
     graphs = engine.graphs
@@ -301,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["copy_bandwidth_GB_per_s"] = round(peak / 1e9, 1)
     print(f"device-to-device copy: {peak / 1e9:.0f} GB/s", flush=True)
     report["decode_kernel"] = kernel_bandwidth(peak)
+    report["prefill_kernel"] = prefill_kernel()
     save()
 
     folder = write_random_model(args.model_dir)

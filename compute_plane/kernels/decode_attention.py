@@ -27,11 +27,19 @@ from compute_plane.kernels import interpreted
 
 
 @triton.jit
-def load_paged_rows(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask):
+def load_paged_native(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask):
     """One KV head's rows [len(block), len(d)] of a paged cache, row i at slot tok[i] of
-    block[i], as fp32 (the interpreter computes bf16 wrongly; the GPU keeps the same numerics)."""
+    block[i], in the cache's dtype."""
     ptrs = cache + block[:, None] * stride_n + tok[:, None] * stride_t + kvh * stride_h + d[None, :]
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def load_paged_rows(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask):
+    """`load_paged_native` as fp32 (the interpreter computes bf16 wrongly; the GPU keeps the
+    same numerics)."""
+    rows = load_paged_native(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask)
+    return rows.to(tl.float32)
 
 
 @triton.jit

@@ -12,6 +12,12 @@ keys 0..prefix + i:
 
 Grid: (chunk, BLOCK_M query tile, query head). A tile stops reading keys at its last
 query's position, so the causal upper triangle is never loaded.
+
+A bf16/fp16 cache feeds its values to both dots as they are (tensor cores at their
+full rate: prefill is compute-bound), the scores and the softmax in fp32 and the
+probabilities rounded to the values' dtype for the second dot, as FlashAttention
+does. An fp32 cache runs IEEE fp32 dots; the interpreter (no GPU) runs bf16 in fp32,
+as it computes bf16 wrongly.
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ import triton
 import triton.language as tl
 
 from compute_plane.kernels import interpreted
-from compute_plane.kernels.decode_attention import dot_precision, load_paged_rows
+from compute_plane.kernels.decode_attention import (
+    dot_precision,
+    load_paged_native,
+    load_paged_rows,
+)
 
 
 @triton.jit
@@ -53,6 +63,7 @@ def _prefill(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NATIVE: tl.constexpr,  # dots on the cache's bf16/fp16 values, not on fp32 copies
 ):
     chunk = tl.program_id(0)
     tile = tl.program_id(1)
@@ -75,8 +86,9 @@ def _prefill(
         q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
-    q = q * scale
+    )
+    if not NATIVE:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -92,8 +104,15 @@ def _prefill(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = load_paged_rows(k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if NATIVE:
+            k = load_paged_native(
+                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
+            )
+        else:
+            k = load_paged_rows(
+                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
+            )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         seen = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if window > 0:
             seen = seen & (n[None, :] > q_pos[:, None] - window)
@@ -105,8 +124,17 @@ def _prefill(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_paged_rows(v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        if NATIVE:
+            v = load_paged_native(
+                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
+            )
+            pv = tl.dot(p.to(v.dtype), v)
+        else:
+            v = load_paged_rows(
+                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
+            )
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -115,6 +143,14 @@ def _prefill(
         out.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
+
+
+def native_dots(dtype: torch.dtype) -> bool:
+    """Whether the prefill dots take the cache's values as they are: bf16/fp16, except bf16
+    in the interpreter."""
+    if dtype == torch.bfloat16:
+        return not interpreted()
+    return dtype == torch.float16
 
 
 def paged_prefill_attention(
@@ -128,10 +164,16 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each chunk's queries over its paged prefix and itself (with a
-    `window`, over the last `window` positions up to each query's own); [T, H, D]."""
+    `window`, over the last `window` positions up to each query's own); [T, H, D].
+    `native`: dots on bf16/fp16 values as they are (default: `native_dots`); False runs
+    them on fp32 copies (a benchmark's comparison)."""
     t, h, d = q.shape
+    if native is None:
+        native = native_dots(k_cache.dtype)
+    assert not native or q.dtype == k_cache.dtype == v_cache.dtype != torch.float32
     _, block_size, kvh, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     assert h % kvh == 0, f"{h} query heads do not group over {kvh} KV heads"
@@ -152,5 +194,6 @@ def paged_prefill_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=h // kvh, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision(k_cache.dtype),
+        NATIVE=native,
     )  # fmt: skip
     return out

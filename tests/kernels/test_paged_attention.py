@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.reference import DEVICE, DTYPES, TOL, PagedCache, attend
+from tests.kernels.reference import DEVICE, DTYPES, ON_GPU, TOL, PagedCache, attend
 
 pytest.importorskip("triton")
 
@@ -75,10 +75,24 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("dtype", "native"),
+    [
+        pytest.param(torch.float32, None, id="fp32"),
+        pytest.param(torch.float16, None, id="fp16-native"),  # fp16 dots, fp32 softmax
+        pytest.param(torch.float16, False, id="fp16-fp32-copies"),
+        pytest.param(torch.bfloat16, None, id="bf16", marks=ON_GPU),
+    ],
+)
 @pytest.mark.parametrize(("h", "kvh", "d", "bs", "chunks"), PREFILL_CASES)
 def test_prefill_chunks(
-    h: int, kvh: int, d: int, bs: int, chunks: list[tuple[int, int]], dtype: torch.dtype
+    h: int,
+    kvh: int,
+    d: int,
+    bs: int,
+    chunks: list[tuple[int, int]],
+    dtype: torch.dtype,
+    native: bool | None,
 ) -> None:
     lens = [p + c for p, c in chunks]
     cache = PagedCache(24, bs, kvh, d, dtype, seed=h * d + bs)
@@ -98,6 +112,7 @@ def test_prefill_chunks(
         torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         max(c for _, c in chunks),
         scale,
+        native=native,
     )
     assert out.dtype == dtype and out.shape == q.shape
     for i, (prefix, c) in enumerate(chunks):
