@@ -116,7 +116,10 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)
         self.tables[:n, :w].copy_(meta.block_tables)
-        self.seq_lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32))
+        lens = meta.seq_lens_tensor  # staged on the device by the model runner
+        if lens is None:
+            lens = torch.tensor(meta.seq_lens, dtype=torch.int32)
+        self.seq_lens[:n].copy_(lens, non_blocking=True)
         if b > n:
             self.input_ids[n:b].zero_()
             self.positions[n:b].zero_()

@@ -1,9 +1,18 @@
 """The model runner: prepare a step's inputs -> forward -> sample (nano-vllm's
 model_runner.py). Tensor building lives here and only here.
 
-Host-side input buffers (token ids, positions, slot mapping, block tables) are
-allocated once, for the configured step size, and sliced per step; a larger step
-grows them once. On CUDA they are pinned, so the copies to the device do not block.
+A step's integers are written into host buffers allocated once, for the configured
+step size (a larger step grows them once), through numpy views of the same memory:
+
+    tokens  (int64)  [ ids | positions | slots | sampled rows ]          n, n, n, s
+    ints    (int32)  [ block tables, the step's width | seq_lens | prefill query starts ]
+
+On the CPU the step's tensors are views of these buffers. On a GPU the buffers are
+pinned and mirrored by device buffers of the same layout: a step is two asynchronous
+copies of the used prefixes and no allocation, and the tensors it passes on are views
+of the device buffers (attention's lengths and query starts included, so the backend
+copies nothing more). Before rewriting the host buffers a step waits for the last
+step's copies to have left them (an event: the GPU may still be behind).
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from compute_plane.attention import AttentionMetadata
@@ -54,28 +64,45 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         device: torch.device,
+        staged: bool | None = None,
     ) -> None:
+        """`staged`: copy each step's inputs into device buffers (default: off the CPU;
+        tests turn it on there to check the layout)."""
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
         self.block_size = kv_cache.block_size
         self.device = device
         self._pin = self.device.type == "cuda"
+        self._staged = device.type != "cpu" if staged is None else staged
+        self._copied: torch.cuda.Event | None = None  # the last step's copies, on CUDA
         self._alloc_tokens(max_num_tokens)
         self._alloc_tables(max_num_seqs, -(-max_model_len // self.block_size))
 
-    # Buffers: torch tensors on the host and numpy views of the same memory (a list is
-    # written into a numpy view without a tensor of its own).
+    def _buffer(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(host buffer, its device mirror: the host buffer itself when not staged)."""
+        host = torch.zeros(n, dtype=dtype, pin_memory=self._pin)
+        return host, torch.zeros(n, dtype=dtype, device=self.device) if self._staged else host
+
     def _alloc_tokens(self, n: int) -> None:
-        self._tokens = torch.zeros((3, n), dtype=torch.long, pin_memory=self._pin)
+        self._wait_for_copies()  # the old buffers may still be read by a copy
+        self._tokens, self._tokens_dev = self._buffer(4 * n, torch.long)
         self._tokens_np = self._tokens.numpy()
+        self._max_tokens = n
 
     def _alloc_tables(self, rows: int, cols: int) -> None:
-        self._tables = torch.zeros((rows, cols), dtype=torch.int32, pin_memory=self._pin)
-        self._tables_np = self._tables.numpy()
+        self._wait_for_copies()
+        self._ints, self._ints_dev = self._buffer(rows * cols + 2 * rows + 1, torch.int32)
+        self._ints_np = self._ints.numpy()
+        self._table_shape = (rows, cols)
+
+    def _wait_for_copies(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     @property
     def capacity(self) -> tuple[int, int, int]:
         """(tokens, sequences, blocks per sequence) the buffers hold without growing."""
-        return self._tokens.shape[1], *self._tables.shape
+        return self._max_tokens, *self._table_shape
 
     def prepare(self, rows: list[Row]) -> StepInputs:
         """The step's tensors; `rows` must be decodes first (one token each), then rows with
@@ -117,33 +144,50 @@ class ModelRunner:
             seq_rows.append(r)
         n, width = len(ids), max(len(r.state.block_ids) for r in rows)
         num_seqs = len(seq_rows)
+        num_decodes = sum(1 for q in query_lens if q == 1)
         held, seqs, cols = self.capacity
         if n > held:
             self._alloc_tokens(max(n, 2 * held))
         if num_seqs > seqs or width > cols:
             self._alloc_tables(max(num_seqs, seqs), max(width, cols))
-        buf = self._tokens_np
-        buf[0, :n], buf[1, :n], buf[2, :n] = ids, positions, slots
-        tables = self._tables_np[:num_seqs, :width]
+        self._wait_for_copies()
+        m = len(sample_idx)  # <= n: one per sampled token row
+        toks = self._tokens_np
+        toks[:n], toks[n : 2 * n], toks[2 * n : 3 * n] = ids, positions, slots
+        toks[3 * n : 3 * n + m] = sample_idx
+        ints = self._ints_np
+        o = num_seqs * width
+        tables = ints[:o].reshape(num_seqs, width)
         tables.fill(0)
         for i, r in enumerate(seq_rows):
             tables[i, : len(r.state.block_ids)] = r.state.block_ids
-        dev = self.device
-        host = self._tokens[:, :n]
+        ints[o : o + num_seqs] = seq_lens
+        q_at = o + num_seqs  # the prefill chunks' query starts, from 0
+        num_prefills = num_seqs - num_decodes
+        ints[q_at] = 0
+        np.cumsum(query_lens[num_decodes:], out=ints[q_at + 1 : q_at + 1 + num_prefills])
+        tok, it = self._tokens_dev, self._ints_dev
+        if self._staged:
+            used = q_at + 1 + num_prefills
+            tok[: 3 * n + m].copy_(self._tokens[: 3 * n + m], non_blocking=True)
+            it[:used].copy_(self._ints[:used], non_blocking=True)
+            if self.device.type == "cuda":
+                self._copied = torch.cuda.Event()
+                self._copied.record()
         meta = AttentionMetadata(
-            slot_mapping=host[2].to(dev, non_blocking=True),
-            block_tables=self._tables[:num_seqs, :width].to(dev, non_blocking=True),
+            slot_mapping=tok[2 * n : 3 * n],
+            block_tables=it[:o].view(num_seqs, width),
             seq_lens=seq_lens,
             query_lens=query_lens,
-            num_decodes=sum(1 for q in query_lens if q == 1),
+            num_decodes=num_decodes,
             block_size=bs,
         )
+        if self._staged:  # on the device already: the backend makes no copies of its own
+            meta.seq_lens_tensor = it[o:q_at]
+            if num_prefills:
+                meta.query_start_loc = it[q_at : q_at + 1 + num_prefills]
         return StepInputs(
-            host[0].to(dev, non_blocking=True),
-            host[1].to(dev, non_blocking=True),
-            meta,
-            [r for r in rows if r.samples],
-            torch.tensor(sample_idx, device=dev),
+            tok[:n], tok[n : 2 * n], meta, [r for r in rows if r.samples], tok[3 * n : 3 * n + m]
         )
 
     def run(self, rows: list[Row], capture_logits: bool = False) -> StepOutput:

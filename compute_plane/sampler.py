@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,21 +72,25 @@ def sample(
     logits = logits.float().clone()
     if masked:
         allowed = torch.stack([allowed_tokens(m, logits.shape[1]) for _, m in row_masks])
-        idx = torch.tensor(masked, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), -math.inf)
+        idx = to_device(masked, torch.long, logits.device)
+        allowed = allowed.pin_memory() if logits.device.type == "cuda" else allowed
+        logits[idx] = logits[idx].masked_fill(
+            ~allowed.to(logits.device, non_blocking=True), -math.inf
+        )
     for i, s in enumerate(specs):
         if banned[i]:
-            logits[i, list(banned[i])] = -math.inf
+            logits[i, to_device(banned[i], torch.long, logits.device)] = -math.inf
         if s.penalised:
             _apply_penalties(logits[i], s, prompt_token_ids[i], output_token_ids[i])
         if s.logit_bias:
-            bias_ids = [t for t, _ in s.logit_bias]
-            logits[i, bias_ids] += torch.tensor([b for _, b in s.logit_bias], device=logits.device)
+            bias_ids = to_device([t for t, _ in s.logit_bias], torch.long, logits.device)
+            bias = to_device([b for _, b in s.logit_bias], logits.dtype, logits.device)
+            logits[i, bias_ids] += bias
 
     chosen = logits.argmax(dim=-1)
     rand = [i for i, s in enumerate(specs) if not s.greedy]
     if rand:
-        idx = torch.tensor(rand, device=logits.device)
+        idx = to_device(rand, torch.long, logits.device)
         probs = _filtered_probs(logits[idx], [specs[i] for i in rand])
         seeds = [specs[i].seed for i in rand]
         noise = _race_noise(probs.shape, seeds, [positions[i] for i in rand], probs.device)
@@ -101,6 +106,15 @@ def sample(
             vals, ids = logp.topk(k, dim=-1)
             out.top_ids, out.top_logprobs = ids.tolist(), vals.tolist()
     return out
+
+
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor of `values` on `device`. On CUDA through pinned memory, asynchronously:
+    a copy from pageable memory would wait for every kernel queued before it (the forward),
+    and sampling then could not be queued behind the forward."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def allowed_tokens(m: pb.TokenMask, vocab_size: int) -> torch.Tensor:
@@ -124,14 +138,14 @@ def _apply_penalties(
     """In place on one row: HF repetition penalty over prompt+output, OpenAI frequency/presence."""
     dev = row.device
     if s.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=dev)
+        seen = to_device(sorted({*prompt, *output}), torch.long, dev)
         if len(seen):
             vals = row[seen]
             row[seen] = torch.where(
                 vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty
             )
     if output and (s.frequency_penalty or s.presence_penalty):
-        ids = torch.tensor(output, dtype=torch.long, device=dev)
+        ids = to_device(output, torch.long, dev)
         counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
         row -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(row.dtype)
 
@@ -140,11 +154,11 @@ def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Te
     """Temperature, then top-k, top-p and min-p, vectorised over rows with one sort (none
     when no row cuts, a top-k selection when rows cut by top-k alone)."""
     dev, dt = logits.device, logits.dtype
-    logits = logits / torch.tensor([s.temperature for s in specs], device=dev, dtype=dt)[:, None]
+    logits = logits / to_device([s.temperature for s in specs], dt, dev)[:, None]
     if all(s.top_k == 0 and s.top_p >= 1.0 and s.min_p == 0.0 for s in specs):
         return logits.softmax(dim=-1)  # nothing to cut: skip the sort
     vocab = logits.shape[1]
-    top_k = torch.tensor([s.top_k or vocab for s in specs], device=dev)
+    top_k = to_device([s.top_k or vocab for s in specs], torch.long, dev)
     k_max = max(s.top_k or vocab for s in specs)
     if k_max < vocab and all(s.top_p >= 1.0 and s.min_p == 0.0 for s in specs):
         # top-k alone needs the k largest, not the whole vocabulary in order.
@@ -154,8 +168,8 @@ def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Te
         )
         return torch.full_like(logits, -math.inf).scatter(1, ids, vals).softmax(dim=-1)
     # top_p 1 means off: with it the float cumsum could cut a far tail that rounds to 1.
-    top_p = torch.tensor([s.top_p if s.top_p < 1.0 else 2.0 for s in specs], device=dev, dtype=dt)
-    min_p = torch.tensor([s.min_p for s in specs], device=dev, dtype=dt)
+    top_p = to_device([s.top_p if s.top_p < 1.0 else 2.0 for s in specs], dt, dev)
+    min_p = to_device([s.min_p for s in specs], dt, dev)
 
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     drop = torch.arange(vocab, device=dev)[None, :] >= top_k[:, None]
@@ -177,10 +191,11 @@ def _race_noise(
     noise = torch.empty(shape, device=device).exponential_()
     seeded = [(r, seed) for r, seed in enumerate(seeds) if seed is not None]
     if seeded:
-        rows = torch.empty(len(seeded), shape[1])
+        rows = torch.empty(len(seeded), shape[1], pin_memory=device.type == "cuda")
         for j, (r, seed) in enumerate(seeded):
             rows[j].exponential_(generator=_generator(seed, positions[r]))
-        noise[torch.tensor([r for r, _ in seeded], device=device)] = rows.to(device)
+        at = to_device([r for r, _ in seeded], torch.long, device)
+        noise[at] = rows.to(device, non_blocking=True)
     # Exponential draws may round to 0; p / 0 would be inf or nan and win the race.
     return noise.clamp_min_(1e-20)
 

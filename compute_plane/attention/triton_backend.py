@@ -33,7 +33,8 @@ class TritonPagedAttention:
         self.num_sms = num_sms  # 0 (CPU): never split
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """Device copies of the step's lengths, and the decode split count."""
+        """Device copies of the step's lengths (unless the model runner staged them), and
+        the decode split count."""
         dev = meta.slot_mapping.device
         if meta.seq_lens_tensor is None:
             meta.seq_lens_tensor = torch.tensor(meta.seq_lens, dtype=torch.int32, device=dev)
@@ -41,7 +42,7 @@ class TritonPagedAttention:
         if d:
             longest = max(meta.seq_lens[:d])
             meta.num_splits = choose_num_splits(d, self.num_kv_heads, longest, self.num_sms)
-        if d < len(meta.seq_lens):
+        if d < len(meta.seq_lens) and meta.query_start_loc is None:
             starts = [0, *itertools.accumulate(meta.query_lens[d:])]
             meta.query_start_loc = torch.tensor(starts, dtype=torch.int32, device=dev)
 

@@ -61,13 +61,16 @@ def _reference(ref, tokens: list[int]) -> torch.Tensor:  # type: ignore[no-untyp
         return ref(torch.tensor([tokens])).logits[0].float()
 
 
-def _runner(engine: Engine, tokens: int, seqs: int) -> ModelRunner:
-    return ModelRunner(engine.model, engine.kv_cache, None, tokens, seqs, engine.max_model_len, CPU)
+def _runner(engine: Engine, tokens: int, seqs: int, staged: bool = False) -> ModelRunner:
+    return ModelRunner(
+        engine.model, engine.kv_cache, None, tokens, seqs, engine.max_model_len, CPU, staged
+    )
 
 
-def test_prefill_logits_match_transformers_and_small_buffers_grow(tiny) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("staged", [False, True], ids=["host-views", "staged"])
+def test_prefill_logits_match_transformers_and_small_buffers_grow(tiny, staged: bool) -> None:  # type: ignore[no-untyped-def]
     engine, ref = tiny
-    runner = _runner(engine, tokens=8, seqs=1)  # smaller than the step below
+    runner = _runner(engine, tokens=8, seqs=1, staged=staged)  # smaller than the step below
     reqs = Requests(engine)
     rows = [reqs.new("a", 13), reqs.new("b", 7)]
     out = runner.run(rows, capture_logits=True)
@@ -81,12 +84,19 @@ def test_prefill_logits_match_transformers_and_small_buffers_grow(tiny) -> None:
     assert out.sampled.token_ids == greedy
 
 
-def test_decode_steps_reuse_the_buffers_and_stay_exact(tiny) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("staged", [False, True], ids=["host-views", "staged"])
+def test_decode_steps_reuse_the_buffers_and_stay_exact(tiny, staged: bool) -> None:  # type: ignore[no-untyped-def]
     engine, ref = tiny
-    runner = _runner(engine, tokens=64, seqs=4)
+    runner = _runner(engine, tokens=64, seqs=4, staged=staged)
     reqs = Requests(engine, seed=1)
     rows = [reqs.new("x", 9), reqs.new("y", 17)]
-    buffers = (runner._tokens.data_ptr(), runner._tables.data_ptr(), runner.capacity)
+    buffers = (
+        runner._tokens.data_ptr(),
+        runner._ints.data_ptr(),
+        runner._tokens_dev.data_ptr(),
+        runner._ints_dev.data_ptr(),
+        runner.capacity,
+    )
     out = runner.run(rows)
     for _ in range(3):
         assert out.sampled is not None
@@ -98,7 +108,13 @@ def test_decode_steps_reuse_the_buffers_and_stay_exact(tiny) -> None:  # type: i
         for row, ours in zip(rows, out.logits_by_row, strict=True):
             expected = _reference(ref, row.state.token_ids)[-1:]
             assert (ours - expected).abs().max().item() <= TOL
-    assert (runner._tokens.data_ptr(), runner._tables.data_ptr(), runner.capacity) == buffers
+    assert (
+        runner._tokens.data_ptr(),
+        runner._ints.data_ptr(),
+        runner._tokens_dev.data_ptr(),
+        runner._ints_dev.data_ptr(),
+        runner.capacity,
+    ) == buffers
 
 
 def test_prepare_builds_slots_from_the_block_tables(tiny) -> None:  # type: ignore[no-untyped-def]
@@ -114,3 +130,38 @@ def test_prepare_builds_slots_from_the_block_tables(tiny) -> None:  # type: igno
     assert x.meta.block_tables[0].tolist() == blocks and [r.request_id for r in x.sample_rows] == [
         "p"
     ]
+
+
+def _within(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    return start <= view.data_ptr() < start + size
+
+
+def test_a_staged_step_is_views_of_the_device_buffers(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The GPU's input path, checked on the CPU: every tensor a step passes on lies in the
+    device buffers (nothing allocated per step), holds what the rows say, and the
+    attention lengths and prefill query starts are there too."""
+    engine, _ = tiny
+    runner = _runner(engine, tokens=64, seqs=4, staged=True)
+    reqs = Requests(engine, seed=3)
+    a, b = reqs.new("a", 5), reqs.new("b", 6)
+    runner.run([a, b])
+    decode = reqs.decode("a", 7)
+    chunk = Row("c", reqs.new("c", 9).state, 0, 4)  # a chunk: first 4 of 9, samples nothing
+    x = runner.prepare([decode, Row("b", b.state, 2, 4), chunk])
+    tok, ints = runner._tokens_dev, runner._ints_dev
+    assert tok.data_ptr() != runner._tokens.data_ptr()  # a mirror, not the host buffer
+    m = x.meta
+    for t in (x.input_ids, x.positions, x.sample_index, m.slot_mapping):
+        assert _within(t, tok)
+    for t in (m.block_tables, m.seq_lens_tensor, m.query_start_loc):
+        assert t is not None and _within(t, ints)
+    assert x.input_ids.tolist() == [7, *b.state.token_ids[2:6], *chunk.state.token_ids[:4]]
+    assert x.positions.tolist() == [5, 2, 3, 4, 5, 0, 1, 2, 3]
+    assert x.sample_index.tolist() == [0, 4]  # a's token, b's last; the chunk samples nothing
+    assert m.seq_lens_tensor.tolist() == [6, 6, 4] and m.num_decodes == 1
+    assert m.query_start_loc.tolist() == [0, 4, 8]  # the prefill chunks' rows, from 0
+    widths = [len(s.block_ids) for s in (a.state, b.state, chunk.state)]
+    assert m.block_tables.shape == (3, max(widths))
+    for row, st in zip(m.block_tables.tolist(), (a.state, b.state, chunk.state), strict=True):
+        assert row == st.block_ids + [0] * (max(widths) - len(st.block_ids))

@@ -17,6 +17,7 @@ from compute_plane.attention import AttentionMetadata, TorchPagedAttention
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine
 from compute_plane.loader import load_model
+from compute_plane.model_runner import ModelRunner
 from tests.compute.step_driver import StepDriver
 from tests.conftest import make_tiny_model
 from tests.kernels.reference import DEVICE, PagedCache
@@ -72,7 +73,7 @@ def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     return out, ref
 
 
-def _engine(path: Path, backend: str) -> Engine:
+def _engine(path: Path, backend: str, staged: bool = False) -> Engine:
     cfg = ComputeConfig(
         model=str(path),
         device=DEVICE.type,
@@ -85,6 +86,11 @@ def _engine(path: Path, backend: str) -> Engine:
     )
     engine = Engine(cfg, load_model(path, progress=False))
     engine.capture_logits = True
+    if staged:  # the GPU's input path: each step copied into device buffers, views of them
+        engine.runner = ModelRunner(
+            engine.model, engine.kv_cache, None, *engine.runner.capacity[:2],
+            engine.max_model_len, engine.device, staged=True,
+        )  # fmt: skip
     return engine
 
 
@@ -114,9 +120,10 @@ def _drive(engine: Engine) -> dict[str, list[int]]:
     return {rid: list(st.token_ids) for rid, st in engine.requests.items()}
 
 
-def test_engine_logits_equal_the_torch_backend(tiny) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("staged", [False, True], ids=["host-views", "staged"])
+def test_engine_logits_equal_the_torch_backend(tiny, staged: bool) -> None:  # type: ignore[no-untyped-def]
     path, ref = tiny
-    triton_engine, torch_engine = _engine(path, "triton"), _engine(path, "torch")
+    triton_engine, torch_engine = _engine(path, "triton", staged), _engine(path, "torch")
     assert triton_engine.describe().attention_backend == "triton"
     assert torch_engine.describe().attention_backend == "torch"
     tokens = _drive(triton_engine)
