@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Run THERE (a lent GPU machine), from the repository root, in one device call:
+#
+#   run(carry=[".whl"], timeout_s=590,
+#       command="bash benchmarks/device/check.sh all")
+#
+# after benchmarks/device/wheels.sh has filled .whl/ here. Stages (one argument each, in
+# order; `all` = tests bench):
+#   tests   the kernel tests on the GPU (tests/kernels: every kernel, bf16 too, the engine on
+#           the Triton path with its staged inputs, CUDA graphs), sampling and FP8/INT8 on
+#           CUDA (the other folders import packages the image lacks)
+#   bench   python -m benchmarks.gpu (kernels, decode steps, the 256-request workload in
+#           process and over gRPC, FP8/INT8): $OUT/gpu.json, to copy to docs/perf/gpu.json
+# Logs and reports land in $OUT (they come back); the stages share the time limit, so a
+# stage that runs out leaves what it had written.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+stages=("$@")
+[ "${stages[0]:-all}" = all ] && stages=(tests bench)
+rc=0
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/kernels tests/compute/test_sampler.py \
+        tests/compute/test_scaled.py 2>&1 | tee "$OUT/gpu-tests.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    bench)
+      python3 -m benchmarks.gpu --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu-bench.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
+exit "$rc"
