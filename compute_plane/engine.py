@@ -279,6 +279,7 @@ class Engine:
         for state in self.requests.values():
             state.span.end(error=why)
         self.requests.clear()
+        self.runner.release_all()
         self.failed_alone.clear()
         if self.drafter is not None:
             self.drafter.reset()
@@ -324,6 +325,7 @@ class Engine:
         rows, failures = self.validator.validate(req, self.requests, self.failed_alone)
         for rid in req.finished_ids:
             self.failed_alone.pop(rid, None)
+            self.runner.release(rid)
             if (gone := self.requests.pop(rid, None)) is not None:
                 _log_request("request released", rid)
                 _end_span(gone)
@@ -383,6 +385,7 @@ class Engine:
         if f.request_id in self.failed_alone:
             return
         self.failed_alone[f.request_id] = f
+        self.runner.release(f.request_id)
         if (state := self.requests.pop(f.request_id, None)) is not None:
             state.span.end(error=f.message)
         request_id, choice = split_choice_id(f.request_id)

@@ -54,6 +54,63 @@ class StepOutput:
     prepare_ns: int = 0  # building the step's inputs
 
 
+class BlockTables:
+    """Each held request's block table as a row of one int32 array, kept between steps.
+
+    A request's table only grows while the engine holds it (blocks are appended), so a
+    step writes just the blocks added since the request's last step, and a step's
+    tables are one gather of their rows. A request re-sent under its id (a new state)
+    gets its row rewritten; `release` frees and zeroes the row (rows are 0 past their
+    table, as attention's padding must be)."""
+
+    def __init__(self, cols: int) -> None:
+        self.rows = np.zeros((0, cols), dtype=np.int32)
+        self.held: dict[str, tuple[int, RequestState, int]] = {}  # id -> (row, state, filled)
+        self.free: list[int] = []
+
+    def row(self, request_id: str, state: RequestState) -> int:
+        """The request's row, up to date with its blocks."""
+        blocks = state.block_ids
+        n = len(blocks)
+        entry = self.held.get(request_id)
+        if entry is not None and entry[1] is state:
+            row, _, filled = entry
+            if n != filled:
+                self.rows[row, filled:n] = blocks[filled:]
+                self.held[request_id] = (row, state, n)
+            return row
+        if entry is None:
+            row = self._take()
+        else:
+            row = entry[0]
+            self.rows[row].fill(0)
+        self.rows[row, :n] = blocks
+        self.held[request_id] = (row, state, n)
+        return row
+
+    def release(self, request_id: str) -> None:
+        if (entry := self.held.pop(request_id, None)) is not None:
+            self.rows[entry[0]].fill(0)
+            self.free.append(entry[0])
+
+    def clear(self) -> None:
+        self.held.clear()
+        self.rows.fill(0)
+        self.free = list(range(len(self.rows) - 1, -1, -1))
+
+    def widen(self, cols: int) -> None:
+        if cols > self.rows.shape[1]:
+            self.rows = np.pad(self.rows, ((0, 0), (0, cols - self.rows.shape[1])))
+
+    def _take(self) -> int:
+        if not self.free:
+            have = len(self.rows)
+            more = max(64, have)
+            self.rows = np.pad(self.rows, ((0, more), (0, 0)))
+            self.free = list(range(have + more - 1, have - 1, -1))
+        return self.free.pop()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -74,8 +131,10 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self._staged = device.type != "cpu" if staged is None else staged
         self._copied: torch.cuda.Event | None = None  # the last step's copies, on CUDA
+        cols = -(-max_model_len // self.block_size)
+        self.tables = BlockTables(cols)
         self._alloc_tokens(max_num_tokens)
-        self._alloc_tables(max_num_seqs, -(-max_model_len // self.block_size))
+        self._alloc_tables(max_num_seqs, cols)
 
     def _buffer(self, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(host buffer, its device mirror: the host buffer itself when not staged)."""
@@ -93,6 +152,14 @@ class ModelRunner:
         self._ints, self._ints_dev = self._buffer(rows * cols + 2 * rows + 1, torch.int32)
         self._ints_np = self._ints.numpy()
         self._table_shape = (rows, cols)
+        self.tables.widen(cols)
+
+    def release(self, request_id: str) -> None:
+        """The engine no longer holds the request: its block table's row is free."""
+        self.tables.release(request_id)
+
+    def release_all(self) -> None:
+        self.tables.clear()
 
     def _wait_for_copies(self) -> None:
         if self._copied is not None:
@@ -120,30 +187,44 @@ class ModelRunner:
         sample_idx: list[int] = []
         seq_lens: list[int] = []
         query_lens: list[int] = []
-        seq_rows: list[Row] = []  # per attention sequence
+        table_rows: list[int] = []  # per attention sequence, its row in self.tables
+        table_row = self.tables.row
+        width = 0
         for r in rows:
-            st, end = r.state, r.start + r.count
-            ids.extend(st.token_ids[r.start : end])
-            pos = range(r.start, end)
+            st, p = r.state, r.start
+            blocks = st.block_ids
+            width = max(width, len(blocks))
+            if r.count == 1 and not r.draft:  # a decode (most rows of most steps)
+                ids.append(st.token_ids[p])
+                positions.append(p)
+                slots.append(blocks[p // bs] * bs + p % bs)
+                if p + 1 == len(st.token_ids):
+                    sample_idx.append(len(ids) - 1)
+                seq_lens.append(p + 1)
+                query_lens.append(1)
+                table_rows.append(table_row(r.request_id, st))
+                continue
+            end = p + r.count
+            ids.extend(st.token_ids[p:end])
+            pos = range(p, end)
             positions.extend(pos)
-            table = st.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            slots.extend(blocks[q // bs] * bs + q % bs for q in pos)
             if r.draft or r.as_decodes:
                 if r.draft:  # samples after each of its k + 1 tokens
                     sample_idx.extend(range(len(ids) - r.count, len(ids)))
                 elif r.samples:
                     sample_idx.append(len(ids) - 1)
-                seq_lens.extend(range(r.start + 1, end + 1))
+                seq_lens.extend(range(p + 1, end + 1))
                 query_lens.extend([1] * r.count)
-                seq_rows.extend([r] * r.count)
+                table_rows.extend([table_row(r.request_id, st)] * r.count)
                 continue
             if r.samples:
                 sample_idx.append(len(ids) - 1)
             seq_lens.append(end)
             query_lens.append(r.count)
-            seq_rows.append(r)
-        n, width = len(ids), max(len(r.state.block_ids) for r in rows)
-        num_seqs = len(seq_rows)
+            table_rows.append(table_row(r.request_id, st))
+        n = len(ids)
+        num_seqs = len(table_rows)
         num_decodes = sum(1 for q in query_lens if q == 1)
         held, seqs, cols = self.capacity
         if n > held:
@@ -157,10 +238,7 @@ class ModelRunner:
         toks[3 * n : 3 * n + m] = sample_idx
         ints = self._ints_np
         o = num_seqs * width
-        tables = ints[:o].reshape(num_seqs, width)
-        tables.fill(0)
-        for i, r in enumerate(seq_rows):
-            tables[i, : len(r.state.block_ids)] = r.state.block_ids
+        np.take(self.tables.rows[:, :width], table_rows, axis=0, out=ints[:o].reshape(-1, width))
         ints[o : o + num_seqs] = seq_lens
         q_at = o + num_seqs  # the prefill chunks' query starts, from 0
         num_prefills = num_seqs - num_decodes

@@ -63,9 +63,11 @@ class Drafter:
 
     def forget(self, request_id: str) -> None:
         self.computed.pop(request_id, None)
+        self.runner.release(request_id)
 
     def reset(self) -> None:
         self.computed.clear()
+        self.runner.release_all()
 
     @torch.inference_mode()
     def propose(self, rows: list[tuple[Row, int]]) -> None:

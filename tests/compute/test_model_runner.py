@@ -165,3 +165,41 @@ def test_a_staged_step_is_views_of_the_device_buffers(tiny) -> None:  # type: ig
     assert m.block_tables.shape == (3, max(widths))
     for row, st in zip(m.block_tables.tolist(), (a.state, b.state, chunk.state), strict=True):
         assert row == st.block_ids + [0] * (max(widths) - len(st.block_ids))
+
+
+def test_block_tables_follow_growth_resends_and_releases(tiny) -> None:  # type: ignore[no-untyped-def]
+    """The runner keeps each request's table between steps and writes only what changed:
+    every step's tables must still equal the requests' block lists, 0-padded, as blocks
+    are added, a request is re-sent under its id with other blocks, and rows of released
+    requests are reused."""
+    engine, _ = tiny
+    runner = _runner(engine, tokens=64, seqs=4)
+    reqs = Requests(engine, seed=4)
+
+    def tables_of(rows: list[Row]) -> list[list[int]]:
+        x = runner.prepare(rows)
+        width = max(len(r.state.block_ids) for r in rows)
+        assert x.meta.block_tables.shape == (len(rows), width)
+        return x.meta.block_tables.tolist()
+
+    def expected(rows: list[Row]) -> list[list[int]]:
+        width = max(len(r.state.block_ids) for r in rows)
+        return [r.state.block_ids + [0] * (width - len(r.state.block_ids)) for r in rows]
+
+    a, b = reqs.new("a", 5), reqs.new("b", 9)
+    assert tables_of([a, b]) == expected([a, b])
+    b.state.block_ids.append(reqs.free.pop())  # a block added between steps
+    a2 = reqs.decode("a", 3)
+    rows = [a2, reqs.decode("b", 4)]
+    assert tables_of(rows) == expected(rows)
+    again = reqs.new("a", 3)  # re-sent under its id: a new state, fewer blocks
+    assert tables_of([again]) == expected([again])
+    b_row = runner.tables.held["b"][0]
+    runner.release("b")
+    c = reqs.new("c", 2)  # takes b's freed row: nothing of b's table may show
+    long = reqs.new("d", 20)  # wider than b was: c's row is read past its own blocks
+    assert len(c.state.block_ids) < len(b.state.block_ids) < len(long.state.block_ids)
+    assert tables_of([c, long]) == expected([c, long])
+    assert runner.tables.held["c"][0] == b_row
+    runner.release_all()
+    assert not runner.tables.held and not runner.tables.rows.any()
