@@ -327,6 +327,8 @@ class ModelRunner:
         """Sample each row's next token, with its penalties and min_tokens ban. A row with
         a proposal of k tokens samples k + 1 times, the j-th as if its known tokens ended
         with the first j proposed ones (penalties, min_tokens and seeds see that length)."""
+        if all(r.mask is None and not r.draft and r.state.sampling.plain_greedy for r in rows):
+            return SampleOutput(logits.argmax(dim=-1).tolist(), None, None, None)
         states: list[RequestState] = []
         lengths: list[int] = []  # tokens known at each sampled position
         row_masks: list[pb.TokenMask | None] = []

@@ -23,7 +23,7 @@ class StepRejected(Exception):
         self.code = code
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
@@ -33,7 +33,7 @@ class RequestState:
     span: RequestSpan = NO_SPAN  # its trace span here, when tracing (hetero_common.tracing)
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One request's share of a step."""
 
@@ -134,11 +134,17 @@ class StepValidator:
             nb = num_blocks[c.request_id] = len(state.block_ids) + len(c.new_block_ids)
             self._check_count(c.request_id, state, nb, c.num_scheduled_tokens)
             rows.append((c.request_id, state, c.num_scheduled_tokens))
-        for rid in req.decode_ids:
-            if (state := held(rid)) is None:
+        room = self.limits.block_size
+        for rid in req.decode_ids:  # most of a step: the common case without calls
+            if rid not in seen and rid not in finished and (state := active.get(rid)):
+                seen.add(rid)
+            elif (state := held(rid)) is None:
                 continue
-            self._check_count(rid, state, len(state.block_ids), 1)
-            num_blocks[rid] = len(state.block_ids)
+            nb = len(state.block_ids)
+            end = state.num_computed_tokens + 1
+            if end > len(state.token_ids) or end > nb * room:
+                self._check_count(rid, state, nb, 1)  # raises, naming the fault
+            num_blocks[rid] = nb
             rows.append((rid, state, 1))
         if req.masks:
             rows = self._check_masks(req, rows, failures)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -58,6 +59,19 @@ class SamplingSpec:
             self.repetition_penalty != 1.0
             or bool(self.frequency_penalty)
             or bool(self.presence_penalty)
+        )
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """The token is the logits' argmax and nothing else is asked (no penalty, bias,
+        ban, logprobs): what most rows of a greedy benchmark are, checked once."""
+        return (
+            self.greedy
+            and not self.penalised
+            and not self.logit_bias
+            and not (self.min_tokens and self.banned_until_min)
+            and not self.logprobs
+            and not self.top_logprobs
         )
 
     def validate(self, vocab_size: int | None = None) -> str | None:

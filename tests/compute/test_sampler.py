@@ -373,3 +373,25 @@ def test_masked_sampling_distribution_is_the_renormalised_one() -> None:
     probs = [P[i] / total if i in allowed else 0.0 for i in range(5)]
     assert set(out.token_ids) <= set(allowed)
     assert _chi2(out.token_ids, probs) < 13.82  # 2 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"temperature": 0.7},
+        {"repetition_penalty": 1.2},
+        {"frequency_penalty": 0.5},
+        {"presence_penalty": -0.5},
+        {"logit_bias": ((3, 1.0),)},
+        {"min_tokens": 2, "banned_until_min": (2,)},
+        {"logprobs": True},
+        {"top_logprobs": 2},
+    ],
+)
+def test_only_plain_greedy_rows_skip_the_sampler(changed: dict[str, object]) -> None:
+    """The model runner takes the argmax without the sampler only when every row is
+    plain greedy: any field that changes the token or asks for more turns that off."""
+    assert SamplingSpec().plain_greedy
+    assert SamplingSpec(temperature=1.0, top_k=1).plain_greedy  # top-k 1 is greedy
+    assert SamplingSpec(min_tokens=3).plain_greedy  # nothing banned: nothing to mask
+    assert not SamplingSpec(**changed).plain_greedy  # type: ignore[arg-type]
