@@ -64,20 +64,23 @@ QWEN3_0_6B = {
 }
 
 
-def write_random_model(folder: Path, cfg: dict[str, Any] = QWEN3_0_6B, seed: int = 0) -> Path:
-    """A safetensors folder of random weights in `cfg`'s shape, with a word-level tokenizer."""
+def write_random_model(
+    folder: Path, cfg: dict[str, Any] = QWEN3_0_6B, seed: int = 0, device: str = "cuda"
+) -> Path:
+    """A safetensors folder of random weights in `cfg`'s shape, with a word-level tokenizer
+    (drawn on `device`)."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     if (folder / "model.safetensors").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     hidden, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     h, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
 
     def rand(*shape: int, std: float = 0.02) -> torch.Tensor:
-        t = torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * std
+        t = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std
         return t.to(torch.bfloat16).cpu()
 
     def norm(n: int) -> torch.Tensor:

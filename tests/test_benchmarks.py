@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import decode_step, offline, online, overhead, peers, profile, quant_kernel
+from benchmarks import (
+    compute_host,
+    decode_step,
+    offline,
+    online,
+    overhead,
+    peers,
+    profile,
+    quant_kernel,
+)
 from benchmarks.workload import PRESETS, Preset, make_workload
 from hetero_common.model_path import bundled_gguf
 
@@ -130,6 +139,18 @@ def test_quant_kernel_benchmark_tiny(tmp_path: Path) -> None:
     assert got == {(s, m) for s in quant_kernel.SHAPES for m in (1, 9)}
     for r in report["results"]:
         assert min(r["kernel_us"], r["dequantize_gemm_us"], r["gemm_dense_us"]) > 0
+
+
+def test_compute_host_benchmark_tiny(tmp_path: Path) -> None:
+    """The compute plane's host work per decode step, this tree in a subprocess: every
+    part timed, and the parts add up to the step."""
+    out = tmp_path / "h.json"
+    report = compute_host.main(["--seqs", "4", "--steps", "14", "--runs", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["ms_per_step_median"] == report["ms_per_step_median"]
+    fig = report["ms_per_step_median"]["this"]
+    assert min(fig["prepare"], fig["forward"], fig["sample"], fig["rest"]) > 0
+    parts = fig["prepare"] + fig["forward"] + fig["sample"] + fig["rest"]
+    assert parts == pytest.approx(fig["step"], abs=0.01)
 
 
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
