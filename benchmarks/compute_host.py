@@ -127,7 +127,7 @@ def _run(tree: Path, model: Path, seqs: int, steps: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.gpu import write_random_model
-    from benchmarks.workload import machine
+    from benchmarks.workload import machine, write_report
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seqs", type=int, default=256)
@@ -186,8 +186,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{before['host_per_forward']:.3f} vs {after['host_per_forward']:.3f} "
             f"({report['host_per_forward_ratio']}x)"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"report: {args.out}")
     return report
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from benchmarks.workload import write_report
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
 from compute_plane.attention.cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
@@ -192,8 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for n in (int(x) for x in args.prefills.split(",") if x):
         report["prefills"].append(prow := _prefill_row(model, cfg, backends, n))
         print(json.dumps(prow), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"report: {args.out}", file=sys.stderr)
     return report
 

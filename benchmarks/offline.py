@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.workload import PRESETS, Request, machine, make_workload, preset_dict
+from benchmarks.workload import PRESETS, Request, machine, make_workload, preset_dict, write_report
 from hetero_common.model_path import resolve_model_path
 
 if TYPE_CHECKING:
@@ -229,8 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report["gateway_vs_offline"] = round(ratio, 2)
         print(json.dumps(gw))
     report["machine"]["load_average_after"] = machine()["load_average"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     for key in ("ours_vs_hf", "gateway_vs_offline"):
         if key in report:
             print(f"{key}: {report[key]}x")

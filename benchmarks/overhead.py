@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 
 from benchmarks.instant_compute import InstantCompute
-from benchmarks.workload import machine
+from benchmarks.workload import machine, write_report
 from control_plane.compute_client import InProcessLink, sampled_tokens
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
@@ -264,8 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 r["in_process"] = breakdown(n, args.steps, interval, api)
                 report["results"].append(r)
                 print(json.dumps(r))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"report: {args.out}")
     return report
 

@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.workload import Preset, machine, make_workload
+from benchmarks.workload import Preset, machine, make_workload, write_report
 from hetero_common.model_path import bundled_gguf
 
 PHASES = [
@@ -217,8 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "async_scheduling": args.async_scheduling,
         "ms": result,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"{result['decode_steps']} decode steps of {args.concurrency} sequences (ms: mean / p50)")
     for key, value in result.items():
         if isinstance(value, dict):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import json
 import statistics
 import subprocess
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.workload import machine
+from benchmarks.workload import machine, write_report
 from compute_plane.model import onednn_linear
 from compute_plane.native import COMPILE_FLAGS, LINK_FLAGS
 from compute_plane.quant import QuantWeight
@@ -153,8 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"report: {args.out}")
     return report
 

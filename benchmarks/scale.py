@@ -14,12 +14,11 @@ alone on the machine: a second busy process changes the figures.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from benchmarks.offline import run_grpc
-from benchmarks.workload import Preset, machine, make_workload, preset_dict
+from benchmarks.workload import Preset, machine, make_workload, preset_dict, write_report
 
 # Long enough that start-up and the last stragglers weigh little; short prompts so the
 # figure is mostly decode, where a plane's step is bound by its one core.
@@ -56,8 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{run['compute_planes']} planes / {report['runs'][0]['compute_planes']}: "
             f"{run['ratio_to_first']:.2f}x"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(f"wrote {args.out}")
     return report
 

@@ -38,7 +38,7 @@ import grpc
 import httpx
 
 from benchmarks.online import launched
-from benchmarks.workload import machine
+from benchmarks.workload import machine, write_report
 from hetero_common.model_path import bundled_gguf
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -377,8 +377,7 @@ def main() -> None:
         report["default_at_32"] = default_at(model, 8 if args.quick else 32, args.quick)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     for r in report["batch_1"]:
         extra = f", acceptance length {r['mean_acceptance_length']}" if "verifications" in r else ""
         print(

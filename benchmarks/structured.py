@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import re
 import statistics
 import time
@@ -29,7 +28,7 @@ import httpx
 
 from benchmarks.json_schemas import SCHEMAS, TOPICS, prompt
 from benchmarks.online import launched
-from benchmarks.workload import machine
+from benchmarks.workload import machine, write_report
 from hetero_common.model_path import bundled_gguf
 
 N = 32
@@ -127,8 +126,7 @@ def main() -> None:
     model = args.model or str(bundled_gguf())
     result = run(model)
     report = {"machine": machine(), "model": Path(model).name, **result}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_report(args.out, report)
     print(
         f"{N} concurrent, {result['mean_output_tokens']:.0f} tokens each: JSON schema "
         f"{result['constrained_output_tok_s']} tok/s, free {result['free_output_tok_s']} tok/s, "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -77,3 +79,9 @@ def machine() -> dict[str, Any]:
 
 def preset_dict(preset: Preset) -> dict[str, Any]:
     return asdict(preset)
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """A benchmark's JSON report at `path` (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
