@@ -72,6 +72,8 @@ class BlockTables:
         """The request's row, up to date with its blocks."""
         blocks = state.block_ids
         n = len(blocks)
+        if n > self.rows.shape[1]:  # longer than max_model_len's table: grow, as before
+            self.widen(n)
         entry = self.held.get(request_id)
         if entry is not None and entry[1] is state:
             row, _, filled = entry

@@ -134,7 +134,7 @@ class StepValidator:
             nb = num_blocks[c.request_id] = len(state.block_ids) + len(c.new_block_ids)
             self._check_count(c.request_id, state, nb, c.num_scheduled_tokens)
             rows.append((c.request_id, state, c.num_scheduled_tokens))
-        room = self.limits.block_size
+        bs = self.limits.block_size
         for rid in req.decode_ids:  # most of a step: the common case without calls
             if rid not in seen and rid not in finished and (state := active.get(rid)):
                 seen.add(rid)
@@ -142,7 +142,7 @@ class StepValidator:
                 continue
             nb = len(state.block_ids)
             end = state.num_computed_tokens + 1
-            if end > len(state.token_ids) or end > nb * room:
+            if end > len(state.token_ids) or end > nb * bs:
                 self._check_count(rid, state, nb, 1)  # raises, naming the fault
             num_blocks[rid] = nb
             rows.append((rid, state, 1))

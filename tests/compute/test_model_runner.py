@@ -14,7 +14,7 @@ import torch
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine
 from compute_plane.loader import load_model
-from compute_plane.model_runner import ModelRunner
+from compute_plane.model_runner import BlockTables, ModelRunner
 from compute_plane.requests import RequestState, Row
 from hetero_common.sampling_params import SamplingSpec
 from tests.conftest import make_tiny_model
@@ -203,3 +203,12 @@ def test_block_tables_follow_growth_resends_and_releases(tiny) -> None:  # type:
     assert runner.tables.held["c"][0] == b_row
     runner.release_all()
     assert not runner.tables.held and not runner.tables.rows.any()
+
+
+def test_block_tables_grow_past_their_columns() -> None:
+    """A table longer than the columns made for max_model_len widens the store (the
+    runner's buffers grow for such a step) instead of failing."""
+    tables = BlockTables(cols=2)
+    st = RequestState([1, 2, 3], 3, 0, [7, 8, 9, 10, 11], SamplingSpec())
+    row = tables.row("a", st)
+    assert tables.rows.shape[1] >= 5 and tables.rows[row, :5].tolist() == [7, 8, 9, 10, 11]
