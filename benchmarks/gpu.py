@@ -14,9 +14,10 @@ Three figures, each against what the hardware allows:
 3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
    EOS ignored, through `OfflineLLM` (scheduler + engine in one process), then through
    the path users deploy: a compute-plane process driven over gRPC by a control-plane
-   process, planning one step at a time and with `--async-scheduling`
-   (`paths.<in_process|grpc|grpc_async>.output_tok_s`, and each gRPC path's ratio to
-   in-process).
+   process, planning one step at a time and with `--async-scheduling`, and the latter
+   with the compute plane's overlapped steps off (`--overlap-steps off`)
+   (`paths.<in_process|grpc|grpc_async|grpc_async_no_overlap>.output_tok_s`, and each
+   gRPC path's ratio to in-process).
 4. **Quantized weights** (`--quantization fp8|int8`, [L]): the same model with its layer
    matrices in FP8 (`torch._scaled_mm`, activations per token) and weight-only INT8:
    in-process throughput on the same workload and the decode step at batch 1/64/256,
@@ -372,8 +373,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gc.collect()
     torch.cuda.empty_cache()
     report["paths"] = {"in_process": {"output_tok_s": ours["output_tokens_per_s"]}}
-    for key, control in (("grpc", ()), ("grpc_async", ("--async-scheduling",))):
-        fig = run_grpc(str(folder), work, control_args=control)
+    paths: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+        ("grpc", (), ()),
+        ("grpc_async", ("--async-scheduling",), ()),
+        # the compute plane finishing each step before launching the next (as before [M])
+        ("grpc_async_no_overlap", ("--async-scheduling",), ("--overlap-steps", "off")),
+    ]
+    for key, control, compute in paths:
+        fig = run_grpc(str(folder), work, compute_args=compute, control_args=control)
         report["throughput"].append(fig)
         report["paths"][key] = {
             "output_tok_s": fig["output_tokens_per_s"],

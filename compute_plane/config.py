@@ -60,6 +60,14 @@ class ComputeConfig(GrpcServerConfig):
         default=True,
         metadata={"help": "CUDA: replay decode steps from CUDA graphs captured at start-up"},
     )
+    overlap_steps: str = field(
+        default="auto",
+        metadata={
+            "help": "launch a step before the last one's samples reach the host, so the "
+            "host prepares step k+1 while the device computes step k: auto (on on CUDA, "
+            "where the device runs behind the host), on, off"
+        },
+    )
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "cap on prompt + output tokens (default: the model's context length)"},
@@ -115,6 +123,8 @@ class ComputeConfig(GrpcServerConfig):
             raise ValueError(
                 f"quantization must be auto, none, int8 or fp8, got {self.quantization!r}"
             )
+        if self.overlap_steps not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_steps must be auto, on or off, got {self.overlap_steps!r}")
         if self.cpu_activations not in ("int16", "fp32"):
             raise ValueError(f"cpu_activations must be int16 or fp32, got {self.cpu_activations!r}")
         if self.dtype not in _DTYPES:

@@ -3,6 +3,12 @@
 The control plane decides what runs and which blocks hold it; this engine only
 checks that a step is well formed, computes it and samples. A malformed step is
 rejected whole (StepRejected) before any state changes.
+
+A step is launched (`launch`: validate, update the requests, queue the forward and the
+argmax) and finished (`finish`: its samples reach the host, the result is made);
+`step` does both. While a plain-greedy step is launched and not finished, its requests'
+last tokens are PENDING (model_runner): the next step may be launched already, taking
+them on the device, so on a GPU the host prepares step k + 1 while step k computes.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import ctypes
 import logging
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,7 +33,7 @@ from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.loader import LoadedModel, load_model
 from compute_plane.model import Model, ModelKernels
-from compute_plane.model_runner import ModelRunner, StepOutput
+from compute_plane.model_runner import PENDING, ModelRunner, StepOutput
 from compute_plane.requests import (
     Failure,
     RequestState,
@@ -34,7 +41,7 @@ from compute_plane.requests import (
     StepLimits,
     StepValidator,
 )
-from compute_plane.sampler import SampleOutput
+from compute_plane.sampler import DeviceSamples, SampleOutput
 from compute_plane.speculative import Drafter, accepted_length
 from hetero_common.logs import split_choice_id
 from hetero_common.model_path import model_display_name, resolve_model_path
@@ -90,6 +97,27 @@ def _return_freed_memory() -> None:
     in the process's resident memory, ~50 MB for the bundled model)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@dataclass
+class Launched:
+    """A step launched on the device; `Engine.finish` makes its result."""
+
+    result: pb.StepResult
+    # With deferred samples: the rows that sample, in order, and where each one's PENDING
+    # token stands in its request's tokens.
+    rows: list[Row] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)
+    samples: DeviceSamples | None = None
+    out: SampleOutput | None = None  # the samples, once on the host
+
+    def ready(self) -> bool:
+        """Its samples are on the host (finishing it will not wait)."""
+        return self.samples is None or self.samples.ready()
+
+    def wait(self) -> None:
+        if self.samples is not None:
+            self.samples.wait()
 
 
 class Engine:
@@ -152,6 +180,12 @@ class Engine:
         # token (the serving path only computes logits of the tokens it samples).
         self.capture_logits = False
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
+        self._unsettled: list[Launched] = []  # launched, samples not yet taken, oldest first
+        # The server launches step k + 1 before finishing step k (`launch` / `finish`):
+        # worth it where the forward runs behind the host (CUDA); on the CPU the forward
+        # runs within `launch`, so finishing first returns step k's result sooner.
+        mode = config.overlap_steps
+        self.overlap = mode == "on" or (mode == "auto" and self.device.type == "cuda")
 
     def _load_draft(self, backend: str) -> tuple[Model, str]:
         """The draft model for speculative decoding (its weights on the device before the
@@ -238,6 +272,9 @@ class Engine:
             else self.model.weight_bytes + self.kv_cache.nbytes
         )
         metrics.weight_bytes.labels(**m).set(self.model.weight_bytes)
+        self._steps_counted = {
+            o: metrics.steps.labels(overlapped=str(o).lower(), **m) for o in (False, True)
+        }
         metrics.device_memory_used.labels(**m).set(held)
 
     def _blocks_in_use(self) -> int:
@@ -280,6 +317,7 @@ class Engine:
             state.span.end(error=why)
         self.requests.clear()
         self.runner.release_all()
+        self._unsettled.clear()
         self.failed_alone.clear()
         if self.drafter is not None:
             self.drafter.reset()
@@ -322,7 +360,16 @@ class Engine:
         """Run one step. Raises StepRejected (no state changed) for a malformed step; a
         request with bad fields, or one that raises while the others compute, fails alone
         (`StepResult.failed`)."""
+        return self.finish(self.launch(req))
+
+    def launch(self, req: pb.StepRequest) -> Launched:
+        """Validate the step, update the requests and queue its forward; `finish` it (in
+        launch order). A step launched before the last one finished takes that step's
+        samples on the device where it can; where it needs them on the host (penalties,
+        masks, proposals, a request raising) it waits for them first."""
         rows, failures = self.validator.validate(req, self.requests, self.failed_alone)
+        if self._unsettled and (req.proposals or any(st.sampling.penalised for _, st, _ in rows)):
+            self._settle_all()  # (penalties count the output tokens on the host)
         for rid in req.finished_ids:
             self.failed_alone.pop(rid, None)
             self.runner.release(rid)
@@ -344,18 +391,51 @@ class Engine:
         for c in req.continuing:
             if (held := self.requests.get(c.request_id)) is not None:  # else failed before
                 held.block_ids.extend(c.new_block_ids)
-        result = pb.StepResult(step_id=req.step_id)
+        self._steps_counted[bool(self._unsettled)].inc()
+        launched = Launched(pb.StepResult(step_id=req.step_id))
         for f in failures:
-            self._fail(f, result)
+            self._fail(f, launched.result)
         if rows:
             masks = {m.request_id: m for m in req.masks}
             todo = [Row(rid, st, st.num_computed_tokens, n, masks.get(rid)) for rid, st, n in rows]
             if req.proposals:
                 self._propose(todo, req.proposals)
-            self._run(todo, result)
+            self._run(todo, launched)
         self.counters.num_steps += 1
         self.counters.num_requests_added += len(req.new_requests)
-        return result
+        return launched
+
+    def finish(self, launched: Launched) -> pb.StepResult:
+        """The launched step's result, once its samples are on the host."""
+        self._settle(launched)
+        if (out := launched.out) is not None:  # (None: dropped by a reset)
+            result = launched.result
+            for i, r in enumerate(launched.rows if out.logprobs is not None else ()):
+                spec = r.state.sampling
+                if spec.logprobs or spec.top_logprobs:
+                    self._add_logprobs(
+                        result, r.request_id, out, i, spec.logprobs, spec.top_logprobs
+                    )
+            result.sampled_ids.extend(r.request_id for r in launched.rows)
+            result.sampled_token_ids.extend(out.token_ids)
+            self.counters.num_sampled_tokens += len(out.token_ids)
+            launched.out = None
+        return launched.result
+
+    def _settle(self, launched: Launched) -> None:
+        """Write the step's deferred samples over its requests' PENDING tokens."""
+        if launched not in self._unsettled:
+            return
+        self._unsettled.remove(launched)
+        assert launched.samples is not None
+        launched.out = launched.samples.to_host()
+        for r, i, t in zip(launched.rows, launched.at, launched.out.token_ids, strict=True):
+            r.state.token_ids[i] = t
+        self.runner.taken(launched.samples)
+
+    def _settle_all(self) -> None:
+        while self._unsettled:
+            self._settle(self._unsettled[0])
 
     # ------------------------------------------------------------- compute
     def _propose(self, rows: list[Row], proposals: Iterable[pb.Proposal]) -> None:
@@ -401,6 +481,7 @@ class Engine:
         """The batch raised: run each request alone, fail those that raise alone, run the
         rest together. When every one raises the fault is the engine's: re-raise.
         (Running a request again rewrites the same K/V; seeded sampling is positional.)"""
+        self._settle_all()
         good, bad = [], []
         for r in rows:
             try:
@@ -416,12 +497,13 @@ class Engine:
             self._fail(Failure(r.request_id, "INTERNAL", message), result)
         return good, self.runner.run(good, self.capture_logits)
 
-    def _run(self, rows: list[Row], result: pb.StepResult) -> None:
+    def _run(self, rows: list[Row], launched: Launched) -> None:
         # Decodes first, then rows with a proposal (k + 1 one-token queries), then prefill
         # chunks (stable: in the step's order otherwise).
         rows.sort(key=lambda r: 0 if r.count == 1 else 1 if r.draft else 2)
+        result = launched.result
         try:
-            out = self.runner.run(rows, self.capture_logits)
+            out = self.runner.run(rows, self.capture_logits, defer=True)
         except Exception:
             if len(rows) == 1:
                 raise  # alone: a request or the engine; the control plane decides
@@ -431,6 +513,13 @@ class Engine:
                 self.captured_logits.setdefault(r.request_id, []).append(lg)
         if out.sampled is not None:
             self._take_samples([r for r in rows if r.samples], out.sampled, result)
+        elif out.deferred is not None:
+            launched.rows = [r for r in rows if r.samples]
+            for r in launched.rows:
+                launched.at.append(len(r.state.token_ids))
+                r.state.token_ids.append(PENDING)
+            launched.samples = out.deferred
+            self._unsettled.append(launched)
         if out.prompt_logprobs:
             result.prompt_logprobs.extend(out.prompt_logprobs)
         c = self.counters

@@ -53,3 +53,9 @@ engine_resets = Counter(
     "Whole-engine resets after a step raised (every request it held is dropped)",
     L,
 )
+steps = Counter(
+    "hetero_compute_steps",
+    "Steps launched; overlapped=true: launched before the previous step's samples were "
+    "taken (on a GPU: while it computed)",
+    (*L, "overlapped"),
+)

@@ -4,7 +4,8 @@ model_runner.py). Tensor building lives here and only here.
 A step's integers are written into host buffers allocated once, for the configured
 step size (a larger step grows them once), through numpy views of the same memory:
 
-    tokens  (int64)  [ ids | positions | slots | sampled rows ]          n, n, n, s
+    tokens  (int64)  [ ids | positions | slots | sampled rows | pending: at, from ]
+                       n     n           n       s              f     f
     ints    (int32)  [ block tables, the step's width | seq_lens | prefill query starts ]
 
 On the CPU the step's tensors are views of these buffers. On a GPU the buffers are
@@ -13,6 +14,12 @@ copies of the used prefixes and no allocation, and the tensors it passes on are 
 of the device buffers (attention's lengths and query starts included, so the backend
 copies nothing more). Before rewriting the host buffers a step waits for the last
 step's copies to have left them (an event: the GPU may still be behind).
+
+Overlapped steps (`Engine.launch`): a step can leave its samples on the device
+(`DeviceSamples`, copied to the host behind the forward) while the next step is prepared
+and launched. The requests' last tokens are then PENDING in their
+states; `prepare` takes them from the earlier step's device tensor (the `pending`
+entries: positions in the ids, and rows of that tensor), gathered on the device.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ from compute_plane.cuda_graphs import DecodeGraphs
 from compute_plane.kv_cache import KVCache
 from compute_plane.model import Model
 from compute_plane.requests import RequestState, Row
-from compute_plane.sampler import SampleOutput, sample
+from compute_plane.sampler import DeviceSamples, SampleOutput, sample_on_device
 from hetero_proto import compute_pb2 as pb
+
+PENDING = -1  # a request's last token while its sample is on the device (Engine.launch)
 
 
 @dataclass
@@ -52,6 +61,9 @@ class StepOutput:
     logits_by_row: list[torch.Tensor] | None = None  # with capture_logits: every token's
     prompt_logprobs: list[pb.PromptLogprobs] | None = None  # rows that asked for them
     prepare_ns: int = 0  # building the step's inputs
+    # run(defer=True) without proposals: the samples, still on the device (`sampled` is
+    # None); each sampling row's last token is PENDING until the engine takes them.
+    deferred: DeviceSamples | None = None
 
 
 class BlockTables:
@@ -133,6 +145,9 @@ class ModelRunner:
         self._pin = self.device.type == "cuda"
         self._staged = device.type != "cpu" if staged is None else staged
         self._copied: torch.cuda.Event | None = None  # the last step's copies, on CUDA
+        # Deferred samples the engine has not taken yet, oldest first: (sampled ids on the
+        # device, the requests of their rows). Their requests' last tokens are PENDING.
+        self._unsettled: list[tuple[torch.Tensor, list[str]]] = []
         cols = -(-max_model_len // self.block_size)
         self.tables = BlockTables(cols)
         self._alloc_tokens(max_num_tokens)
@@ -145,7 +160,7 @@ class ModelRunner:
 
     def _alloc_tokens(self, n: int) -> None:
         self._wait_for_copies()  # the old buffers may still be read by a copy
-        self._tokens, self._tokens_dev = self._buffer(4 * n, torch.long)
+        self._tokens, self._tokens_dev = self._buffer(6 * n, torch.long)
         self._tokens_np = self._tokens.numpy()
         self._max_tokens = n
 
@@ -162,6 +177,11 @@ class ModelRunner:
 
     def release_all(self) -> None:
         self.tables.clear()
+        self._unsettled.clear()
+
+    def taken(self, samples: DeviceSamples) -> None:
+        """The engine wrote these samples over their requests' PENDING tokens."""
+        self._unsettled = [u for u in self._unsettled if u[0] is not samples.token_ids]
 
     def _wait_for_copies(self) -> None:
         if self._copied is not None:
@@ -190,6 +210,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         table_rows: list[int] = []  # per attention sequence, its row in self.tables
+        pending: list[tuple[int, str]] = []  # (position in ids, request) of PENDING tokens
         table_row = self.tables.row
         width = 0
         for r in rows:
@@ -197,7 +218,10 @@ class ModelRunner:
             blocks = st.block_ids
             width = max(width, len(blocks))
             if r.count == 1 and not r.draft:  # a decode (most rows of most steps)
-                ids.append(st.token_ids[p])
+                t = st.token_ids[p]
+                if t < 0:
+                    pending.append((len(ids), r.request_id))
+                ids.append(t)
                 positions.append(p)
                 slots.append(blocks[p // bs] * bs + p % bs)
                 if p + 1 == len(st.token_ids):
@@ -208,6 +232,8 @@ class ModelRunner:
                 continue
             end = p + r.count
             ids.extend(st.token_ids[p:end])
+            if ids[-1] < 0:  # (only a request's last token can be PENDING)
+                pending.append((len(ids) - 1, r.request_id))
             pos = range(p, end)
             positions.extend(pos)
             slots.extend(blocks[q // bs] * bs + q % bs for q in pos)
@@ -233,11 +259,17 @@ class ModelRunner:
             self._alloc_tokens(max(n, 2 * held))
         if num_seqs > seqs or width > cols:
             self._alloc_tables(max(num_seqs, seqs), max(width, cols))
+        sources = self._pending_sources(pending)
         self._wait_for_copies()
         m = len(sample_idx)  # <= n: one per sampled token row
+        f = len(pending)  # <= n
         toks = self._tokens_np
         toks[:n], toks[n : 2 * n], toks[2 * n : 3 * n] = ids, positions, slots
         toks[3 * n : 3 * n + m] = sample_idx
+        if f:
+            at = 3 * n + m
+            toks[at : at + f] = [i for _, i, _ in sources]
+            toks[at + f : at + 2 * f] = [j for _, _, j in sources]
         ints = self._ints_np
         o = num_seqs * width
         np.take(self.tables.rows[:, :width], table_rows, axis=0, out=ints[:o].reshape(-1, width))
@@ -249,7 +281,8 @@ class ModelRunner:
         tok, it = self._tokens_dev, self._ints_dev
         if self._staged:
             used = q_at + 1 + num_prefills
-            tok[: 3 * n + m].copy_(self._tokens[: 3 * n + m], non_blocking=True)
+            k = 3 * n + m + 2 * f
+            tok[:k].copy_(self._tokens[:k], non_blocking=True)
             it[:used].copy_(self._ints[:used], non_blocking=True)
             if self.device.type == "cuda":
                 self._copied = torch.cuda.Event()
@@ -266,12 +299,41 @@ class ModelRunner:
             meta.seq_lens_tensor = it[o:q_at]
             if num_prefills:
                 meta.query_start_loc = it[q_at : q_at + 1 + num_prefills]
+        if f:  # PENDING tokens: gathered from the earlier step's samples, on the device
+            at, i = 3 * n + m, 0
+            while i < f:
+                src = sources[i][0]
+                j = i + 1
+                while j < f and sources[j][0] is src:
+                    j += 1
+                rows_in_src = src.index_select(0, tok[at + f + i : at + f + j])
+                tok[:n].index_copy_(0, tok[at + i : at + j], rows_in_src)
+                i = j
         return StepInputs(
             tok[:n], tok[n : 2 * n], meta, [r for r in rows if r.samples], tok[3 * n : 3 * n + m]
         )
 
-    def run(self, rows: list[Row], capture_logits: bool = False) -> StepOutput:
-        """Prepare, forward (a CUDA graph where one fits), sample the rows that end."""
+    def _pending_sources(
+        self, pending: list[tuple[int, str]]
+    ) -> list[tuple[torch.Tensor, int, int]]:
+        """(samples tensor, position in ids, row in the tensor) per PENDING token, grouped
+        by tensor (a request's latest deferred sample is its PENDING token)."""
+        if not pending:
+            return []
+        where = {rid: (ids, j) for ids, rids in self._unsettled for j, rid in enumerate(rids)}
+        out = []
+        for at, rid in pending:
+            if (entry := where.get(rid)) is None:
+                raise RuntimeError(f"request {rid!r}: its last token was never sampled")
+            out.append((entry[0], at, entry[1]))
+        if len({id(t) for t, _, _ in out}) > 1:
+            out.sort(key=lambda e: id(e[0]))
+        return out
+
+    def run(self, rows: list[Row], capture_logits: bool = False, defer: bool = False) -> StepOutput:
+        """Prepare, forward (a CUDA graph where one fits), sample the rows that end.
+        `defer`: unless a row verifies a proposal, leave the samples on the device
+        (StepOutput.deferred; their requests' last tokens are PENDING to later steps)."""
         tp = time.perf_counter_ns()
         x = self.prepare(rows)
         t0 = time.perf_counter_ns()  # forward_ns: from the inputs' copy to the device
@@ -285,12 +347,18 @@ class ModelRunner:
             every = list(self.model.logits(hidden).split([r.count for r in rows]))
         prompt_lps = self._prompt_logprobs(rows, hidden)
         t1 = time.perf_counter_ns()
-        sampled = None
+        sampled = deferred = None
         if x.sample_rows:
-            sampled = self._sample(x.sample_rows, self.model.logits(hidden[x.sample_index]))
+            samples = self._sample(x.sample_rows, self.model.logits(hidden[x.sample_index]))
+            samples.copy_to_host()
+            if defer and not any(r.draft for r in x.sample_rows):
+                deferred = samples
+                self._unsettled.append((samples.token_ids, [r.request_id for r in x.sample_rows]))
+            else:
+                sampled = samples.to_host()
         t2 = time.perf_counter_ns()
         n = int(x.input_ids.numel())
-        return StepOutput(sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp)
+        return StepOutput(sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp, deferred)
 
     def _prompt_logprobs(
         self, rows: list[Row], hidden: torch.Tensor
@@ -325,12 +393,12 @@ class ModelRunner:
         return out
 
     @staticmethod
-    def _sample(rows: list[Row], logits: torch.Tensor) -> SampleOutput:
+    def _sample(rows: list[Row], logits: torch.Tensor) -> DeviceSamples:
         """Sample each row's next token, with its penalties and min_tokens ban. A row with
         a proposal of k tokens samples k + 1 times, the j-th as if its known tokens ended
         with the first j proposed ones (penalties, min_tokens and seeds see that length)."""
         if all(r.mask is None and not r.draft and r.state.sampling.plain_greedy for r in rows):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), None, None, None)
+            return DeviceSamples(logits.argmax(dim=-1))
         states: list[RequestState] = []
         lengths: list[int] = []  # tokens known at each sampled position
         row_masks: list[pb.TokenMask | None] = []
@@ -348,7 +416,7 @@ class ModelRunner:
         specs = [s.sampling for s in states]
         penalised = [s.penalised for s in specs]
         masks = row_masks if any(m is not None for m in row_masks) else None
-        return sample(
+        return sample_on_device(
             logits,
             specs,
             [

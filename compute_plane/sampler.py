@@ -7,6 +7,9 @@ min-p, and draw with the exponential race argmax(p / E), E ~ Exp(1).
 Seeded rows draw E from a generator seeded by hash(seed, position), so a request's tokens do
 not depend on which other requests share its batch, on its row, or on whether it was recomputed
 after a preemption. Unseeded rows share torch's default generator of the logits' device.
+
+`sample_on_device` queues all of it behind the forward and returns `DeviceSamples`, whose
+copy to the host is queued too: on CUDA nothing waits for the GPU until `to_host`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ import torch
 from hetero_common.sampling_params import SamplingSpec
 from hetero_proto import compute_pb2 as pb
 
-__all__ = ["SampleOutput", "SamplingSpec", "allowed_tokens", "sample"]
+__all__ = [
+    "DeviceSamples",
+    "SampleOutput",
+    "SamplingSpec",
+    "allowed_tokens",
+    "sample",
+    "sample_on_device",
+]
 
 
 @dataclass
@@ -35,6 +45,53 @@ class SampleOutput:
     top_logprobs: list[list[float]] | None
 
 
+@dataclass
+class DeviceSamples:
+    """A step's samples on the device (as SampleOutput, tensors), and their host copies:
+    queued by `copy_to_host`, waited for by `wait` / `to_host`."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B]
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+    host: list[torch.Tensor | None] | None = None  # the copies, in the fields' order
+    event: torch.cuda.Event | None = None  # the copies', on CUDA
+
+    def copy_to_host(self) -> DeviceSamples:
+        """Queue the copies (into pinned memory on CUDA, behind everything queued)."""
+        cuda = self.token_ids.device.type == "cuda"
+        fields = (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
+        if self.token_ids.device.type == "cpu":
+            self.host = list(fields)
+            return self
+        self.host = [
+            None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+            for t in fields
+        ]
+        for t, h in zip(fields, self.host, strict=True):
+            if t is not None and h is not None:
+                h.copy_(t, non_blocking=cuda)
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+        return self
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def to_host(self) -> SampleOutput:
+        if self.host is None:
+            self.copy_to_host()
+        self.wait()
+        assert self.host is not None
+        ids, lp, top_ids, top_lp = (None if h is None else h.tolist() for h in self.host)
+        return SampleOutput(ids, lp, top_ids, top_lp)  # type: ignore[arg-type]
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float32, on the model's device
     specs: list[SamplingSpec],
@@ -44,6 +101,21 @@ def sample(
     banned_ids: list[tuple[int, ...]] | None = None,  # per row, ids that may not be sampled
     masks: list[pb.TokenMask | None] | None = None,  # per row, the ids it may sample (grammar)
 ) -> SampleOutput:
+    """`sample_on_device`, on the host."""
+    return sample_on_device(
+        logits, specs, prompt_token_ids, output_token_ids, positions, banned_ids, masks
+    ).to_host()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [B, V] float32, on the model's device
+    specs: list[SamplingSpec],
+    prompt_token_ids: list[list[int]],  # per row, for the repetition penalty
+    output_token_ids: list[list[int]],  # per row, generated so far (all penalties)
+    positions: list[int],  # per row, index of the token being sampled (seeds)
+    banned_ids: list[tuple[int, ...]] | None = None,  # per row, ids that may not be sampled
+    masks: list[pb.TokenMask | None] | None = None,  # per row, the ids it may sample (grammar)
+) -> DeviceSamples:
     """Pick one token per row.
 
     A row's token mask (structured output) bans every token it does not allow before anything
@@ -67,7 +139,7 @@ def sample(
         and not any(banned)
         and all(s.greedy and not s.penalised and not s.logit_bias for s in specs)
     ):
-        return SampleOutput(logits.argmax(dim=-1).tolist(), None, None, None)
+        return DeviceSamples(logits.argmax(dim=-1))
 
     logits = logits.float().clone()
     if masked:
@@ -97,14 +169,13 @@ def sample(
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         chosen[idx] = (probs / noise).argmax(dim=-1)
 
-    out = SampleOutput(chosen.tolist(), None, None, None)
+    out = DeviceSamples(chosen)
     if wants_lp:
         logp = torch.log_softmax(logits, dim=-1)
-        out.logprobs = logp.gather(1, chosen[:, None]).squeeze(1).tolist()
+        out.logprobs = logp.gather(1, chosen[:, None]).squeeze(1)
         k = min(max(s.top_logprobs for s in specs), logp.shape[1])
         if k:
-            vals, ids = logp.topk(k, dim=-1)
-            out.top_ids, out.top_logprobs = ids.tolist(), vals.tolist()
+            out.top_logprobs, out.top_ids = logp.topk(k, dim=-1)
     return out
 
 
@@ -146,7 +217,8 @@ def _apply_penalties(
             )
     if output and (s.frequency_penalty or s.presence_penalty):
         ids = to_device(output, torch.long, dev)
-        counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)
+        # (not bincount: on CUDA it reads the largest id back, waiting for the forward)
+        counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
         row -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(row.dtype)
 
 

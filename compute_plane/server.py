@@ -5,6 +5,11 @@ loaded and warmed up; RPCs before that get UNAVAILABLE. Steps run on one worker
 thread, so the engine is never entered twice and the event loop stays free for
 health checks while a forward runs.
 
+With overlapped steps (`--overlap-steps`, on by default on CUDA) a step is launched and
+then finished (Engine.launch / finish): while step k computes on the device, the next
+step, if it arrives first, is launched behind it before step k's result is made and sent.
+Results go back in the order of their steps.
+
 SIGTERM drains: health turns NOT_SERVING, new streams and Describe get UNAVAILABLE,
 the open step stream keeps running with `draining` set on every result (so the control
 plane sends no new requests), and the process exits once it holds no request, or
@@ -24,7 +29,7 @@ import grpc
 
 from compute_plane import metrics, threads
 from compute_plane.config import ComputeConfig
-from compute_plane.engine import Engine
+from compute_plane.engine import Engine, Launched
 from compute_plane.requests import StepRejected
 from hetero_common.grpc_server import GrpcPlane
 from hetero_proto import compute_pb2 as pb
@@ -40,6 +45,8 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         self.engine: Engine | None = None
         self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Waits for a launched step's samples while the engine thread may launch the next.
+        self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samples")
         # The control plane that drives this one: the peer of the open Run stream. Its
         # block pool owns this KV cache, so another control plane is refused until that
         # stream ends (a crashed control plane's connection closes, and so does it).
@@ -111,25 +118,105 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         request_iterator: AsyncIterator[pb.StepRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.StepResult]:
-        async for step in request_iterator:
-            received = time.time_ns()
+        if not engine.overlap:
+            async for step in request_iterator:
+                received = time.time_ns()
+                launched = await self._launch(engine, step, context)
+                yield await self._finish(engine, launched, received, context)
+            return
+        # Overlapped: read the stream into a queue, so that while a launched step computes
+        # the next one can be launched as soon as it arrives.
+        arrived: asyncio.Queue[tuple[pb.StepRequest, int] | None] = asyncio.Queue()
+
+        async def read() -> None:
             try:
-                result = await self._call(engine.step, step)
-            except StepRejected as e:
-                log.warning("step %d rejected: %s", step.step_id, e)
-                result = pb.StepResult(
-                    step_id=step.step_id, error=pb.StepError(code=e.code, message=str(e))
-                )
+                async for step in request_iterator:
+                    arrived.put_nowait((step, time.time_ns()))
+            except Exception as e:  # the stream broke: the steps launched still finish
+                log.info("step stream ended: %s", e)
+            finally:
+                arrived.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        loop = asyncio.get_running_loop()
+        pending: tuple[Launched | pb.StepResult, int] | None = None  # launched, received
+        taken: list[tuple[pb.StepRequest, int] | None] = []  # an item read while racing
+        got: asyncio.Future[tuple[pb.StepRequest, int] | None] | None = None
+        try:
+            while True:
+                if pending is not None and not taken and arrived.empty():
+                    # Step k computes: launch the next one if it comes first, else send
+                    # k's result as soon as its samples are on the host.
+                    launched = pending[0]
+                    if isinstance(launched, Launched) and not launched.ready():
+                        got = asyncio.ensure_future(arrived.get())
+                        ready = loop.run_in_executor(self.waiter, launched.wait)
+                        await asyncio.wait((got, ready), return_when=asyncio.FIRST_COMPLETED)
+                        if got.done():
+                            taken.append(got.result())
+                        got.cancel()
+                    if not taken and arrived.empty():
+                        yield await self._finish(engine, *pending, context)
+                        pending = None
+                        continue
+                item = taken.pop() if taken else await arrived.get()
+                if item is None:
+                    break
+                step, received = item
+                launched = await self._launch(engine, step, context)
+                if pending is not None:
+                    yield await self._finish(engine, *pending, context)
+                pending = (launched, received)
+            if pending is not None:
+                yield await self._finish(engine, *pending, context)
+        finally:
+            reader.cancel()
+            if got is not None:
+                got.cancel()
+
+    async def _launch(
+        self, engine: Engine, step: pb.StepRequest, context: grpc.aio.ServicerContext
+    ) -> Launched | pb.StepResult:
+        """The step launched, or its result when it was rejected."""
+        try:
+            return await self._call(engine.launch, step)
+        except StepRejected as e:
+            log.warning("step %d rejected: %s", step.step_id, e)
+            return pb.StepResult(
+                step_id=step.step_id, error=pb.StepError(code=e.code, message=str(e))
+            )
+        except Exception as e:
+            await self._failed(engine, step.step_id, e, context)
+            raise  # (abort raises)
+
+    async def _finish(
+        self,
+        engine: Engine,
+        launched: Launched | pb.StepResult,
+        received: int,
+        context: grpc.aio.ServicerContext,
+    ) -> pb.StepResult:
+        if isinstance(launched, Launched):
+            try:
+                result = await self._call(engine.finish, launched)
             except Exception as e:
-                # State may be half-updated: drop it all; the control plane re-sends
-                # its requests in full when it reattaches.
-                log.exception("step %d failed", step.step_id)
-                await self._call(engine.reset, True)
-                await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {e}")
-            result.draining = self.draining
-            result.received_unix_ns = received
-            result.replied_unix_ns = time.time_ns()
-            yield result
+                await self._failed(engine, launched.result.step_id, e, context)
+                raise
+        else:
+            result = launched
+        result.draining = self.draining
+        result.received_unix_ns = received
+        result.replied_unix_ns = time.time_ns()
+        return result
+
+    async def _failed(
+        self, engine: Engine, step_id: int, error: Exception, context: grpc.aio.ServicerContext
+    ) -> None:
+        """A step raised: state may be half-updated, so drop it all (the control plane
+        re-sends its requests in full when it reattaches) and end the stream."""
+        log.error("step %d failed", step_id, exc_info=error)
+        await self._call(engine.reset, True)
+        await context.abort(grpc.StatusCode.INTERNAL, f"step {step_id} failed: {error}")
 
     def num_held(self) -> int:
         """Requests the engine holds (what a drain waits for)."""
@@ -168,6 +255,7 @@ async def serve(config: ComputeConfig) -> None:
         log.info("compute plane shutting down")
         await plane.close()
         servicer.executor.shutdown(wait=False, cancel_futures=True)
+        servicer.waiter.shutdown(wait=False, cancel_futures=True)
 
 
 def _load_engine(config: ComputeConfig) -> Engine:

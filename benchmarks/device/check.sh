@@ -7,8 +7,8 @@
 # after benchmarks/device/wheels.sh has filled .whl/ here. Stages (one argument each, in
 # order; `all` = tests bench):
 #   tests   the kernel tests on the GPU (tests/kernels: every kernel, bf16 too, the engine on
-#           the Triton path with its staged inputs, CUDA graphs), sampling and FP8/INT8 on
-#           CUDA (the other folders import packages the image lacks)
+#           the Triton path with its staged inputs, CUDA graphs), sampling, FP8/INT8 and
+#           overlapped steps on CUDA (the other folders import packages the image lacks)
 #   bench   python -m benchmarks.gpu (kernels, decode steps, the 256-request workload in
 #           process and over gRPC, FP8/INT8): $OUT/gpu.json, to copy to docs/perf/gpu.json
 # Logs and reports land in $OUT (they come back); the stages share the time limit, so a
@@ -30,7 +30,7 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     tests)
       python3 -m pytest -q -p no:cacheprovider tests/kernels tests/compute/test_sampler.py \
-        tests/compute/test_scaled.py 2>&1 | tee "$OUT/gpu-tests.log"
+        tests/compute/test_scaled.py tests/compute/test_overlap.py 2>&1 | tee "$OUT/gpu-tests.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     bench)

@@ -101,10 +101,10 @@ def _raise_for_bad(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch holding the request "bad" raises, as an out-of-range index would."""
     run = engine.runner.run
 
-    def run_raising(rows, capture_logits=False):  # type: ignore[no-untyped-def]
+    def run_raising(rows, capture_logits=False, defer=False):  # type: ignore[no-untyped-def]
         if any(r.request_id == "bad" for r in rows):
             raise IndexError("index 1000000000 is out of bounds")
-        return run(rows, capture_logits)
+        return run(rows, capture_logits, defer)
 
     monkeypatch.setattr(engine.runner, "run", run_raising)
 

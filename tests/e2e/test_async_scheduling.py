@@ -1,8 +1,10 @@
 """Async scheduling through the gateway (three processes, the official `openai` client): with
 `--async-scheduling` the control plane plans and sends each step before the previous one's
 result arrives. Greedy text equals that without it, byte for byte, over 40 prompts with stop
-strings, max_tokens cut-offs and logprobs in a KV pool small enough to preempt; and with the
-compute plane killed mid-stream (tests/e2e/test_failover.py runs both ways)."""
+strings, max_tokens cut-offs and logprobs in a KV pool small enough to preempt, also with the
+compute plane launching each step before the previous one finished (`--overlap-steps on`,
+the default on CUDA); and with the compute plane killed mid-stream
+(tests/e2e/test_failover.py runs both ways)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import httpx
 import pytest
 
 from hetero_infer.local import free_port
+from hetero_proto import control_pb2 as pb
 from tests.e2e.test_speculative import _run, _same
 from tests.procs import compute_plane
 
@@ -25,19 +28,29 @@ def compute() -> Iterator[str]:
         yield address
 
 
-def _steps(metrics_port: int) -> dict[str, float]:
-    """hetero_steps_total by planned_ahead, from the control plane's /metrics."""
+def _steps(
+    metrics_port: int, name: str = "hetero_steps_total", label: str = "planned_ahead"
+) -> dict[str, float]:
+    """A step counter by its true/false label ("ahead"/"sync"), from a plane's /metrics."""
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
     out = {}
     for line in text.splitlines():
-        if line.startswith("hetero_steps_total{"):
-            key = "ahead" if 'planned_ahead="true"' in line else "sync"
-            out[key] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(name + "{"):
+            key = "ahead" if f'{label}="true"' in line else "sync"
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
-def test_greedy_text_with_async_scheduling_equals_without(compute: str) -> None:
-    plain, plain_stats = _run(compute)
+@pytest.fixture(scope="module")
+def sequential(compute: str) -> tuple[list[Any], pb.EngineStats]:
+    """The 40 prompts without async scheduling."""
+    return _run(compute)
+
+
+def test_greedy_text_with_async_scheduling_equals_without(
+    compute: str, sequential: tuple[list[Any], pb.EngineStats]
+) -> None:
+    plain, plain_stats = sequential
     assert plain_stats.num_preemptions > 0, "the pool was not small enough to preempt"
     assert {r[1] for r in plain} == {"stop", "length"}
     port = free_port()
@@ -51,3 +64,19 @@ def test_greedy_text_with_async_scheduling_equals_without(compute: str) -> None:
     assert stats.num_preemptions > 0
     # Most steps were planned while the previous one ran.
     assert seen["ahead"] > seen["sync"] > 0, seen
+
+
+def test_overlapped_compute_steps_keep_greedy_text(
+    sequential: tuple[list[Any], pb.EngineStats],
+) -> None:
+    """The compute plane launches step k + 1 (its decode inputs the samples of step k,
+    taken on the device) before it finishes step k: the text equals the sequential run's."""
+    plain = sequential[0]
+    metrics_port = free_port()
+    args = ("--kv-cache-bytes", str(96 << 20), "--overlap-steps", "on")
+    with compute_plane(*args, metrics_port=metrics_port) as overlapping:
+        got, stats = _run(overlapping, "--async-scheduling")
+        launched = _steps(metrics_port, "hetero_compute_steps_total", "overlapped")
+    _same(got, plain)
+    assert stats.num_preemptions > 0
+    assert launched["ahead"] > launched["sync"] > 0, launched
