@@ -1,0 +1,131 @@
+"""The gRPC server's step loop with overlapped steps: the next step is launched when it
+arrives before the running step's samples are on the host, else the running step's result
+goes out first; results always go back in step order.
+
+The engine is a stand-in that logs launch/finish calls and whose steps finish when the
+test opens their gate (the real engine's launch/finish are tested in test_overlap.py and
+end to end in tests/e2e/test_async_scheduling.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from compute_plane.engine import Launched
+from compute_plane.requests import StepRejected
+from compute_plane.server import ComputeServicer
+from hetero_proto import compute_pb2 as pb
+
+
+class Gate:
+    """Stands in for a step's DeviceSamples: ready once the test opens it."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def ready(self) -> bool:
+        return self.open.is_set()
+
+    def wait(self) -> None:
+        assert self.open.wait(10), "a step's samples never came"
+
+
+class StubEngine:
+    overlap = True
+
+    def __init__(self, reject: int | None = None) -> None:
+        self.log: list[str] = []
+        self.gates: dict[int, Gate] = {}
+        self.reject = reject
+
+    def launch(self, step: pb.StepRequest) -> Launched:
+        if step.step_id == self.reject:
+            raise StepRejected("bad step")
+        self.log.append(f"launch {step.step_id}")
+        gate = self.gates.setdefault(step.step_id, Gate())
+        return Launched(pb.StepResult(step_id=step.step_id), samples=gate)  # type: ignore[arg-type]
+
+    def finish(self, launched: Launched) -> pb.StepResult:
+        assert launched.samples is not None
+        launched.samples.wait()
+        self.log.append(f"finish {launched.result.step_id}")
+        return launched.result
+
+
+async def _drive(
+    engine: StubEngine, script: list[tuple[str, Any]]
+) -> tuple[list[pb.StepResult], list[str]]:
+    """Feed steps and open gates as the script says ("send", id) / ("open", id) /
+    ("sleep", s) / ("await result", id: wait until that step's result is out)."""
+    servicer = ComputeServicer()
+    results: list[pb.StepResult] = []
+    got = asyncio.Condition()
+
+    async def steps() -> AsyncIterator[pb.StepRequest]:
+        for what, arg in script:
+            if what == "send":
+                yield pb.StepRequest(step_id=arg)
+            elif what == "open":
+                engine.gates.setdefault(arg, Gate()).open.set()
+            elif what == "sleep":
+                await asyncio.sleep(arg)
+            elif what == "await result":
+                async with got:
+                    await asyncio.wait_for(
+                        got.wait_for(lambda: any(r.step_id == arg for r in results)), 10
+                    )
+
+    async def consume() -> None:
+        async for r in servicer._steps(engine, steps(), context=None):  # type: ignore[arg-type]
+            async with got:
+                results.append(r)
+                got.notify_all()
+
+    await asyncio.wait_for(consume(), 20)
+    servicer.executor.shutdown()
+    servicer.waiter.shutdown()
+    return results, engine.log
+
+
+def test_a_step_that_arrives_while_the_last_computes_is_launched_behind_it() -> None:
+    engine = StubEngine()
+    script = [("send", 1), ("sleep", 0.2), ("send", 2), ("sleep", 0.2), ("open", 1), ("open", 2)]
+    results, log = asyncio.run(_drive(engine, script))
+    assert [r.step_id for r in results] == [1, 2]
+    assert log == ["launch 1", "launch 2", "finish 1", "finish 2"]
+
+
+def test_queued_steps_are_launched_before_the_result_of_the_one_before() -> None:
+    engine = StubEngine()
+    script = [("open", 1), ("open", 2), ("open", 3), ("send", 1), ("send", 2), ("send", 3)]
+    results, log = asyncio.run(_drive(engine, script))
+    assert [r.step_id for r in results] == [1, 2, 3]
+    assert log == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 2", "finish 3"]
+
+
+def test_a_result_goes_out_when_its_samples_come_before_the_next_step() -> None:
+    """The control plane waits for step 1's result before it sends step 2 (nothing
+    planned ahead): the server must send it without a next step to launch."""
+    engine = StubEngine()
+    script = [("send", 1), ("sleep", 0.1), ("open", 1), ("await result", 1), ("open", 2)]
+    script += [("send", 2)]
+    results, log = asyncio.run(_drive(engine, script))
+    assert [r.step_id for r in results] == [1, 2]
+    assert log == ["launch 1", "finish 1", "launch 2", "finish 2"]
+
+
+@pytest.mark.parametrize("gates_open", [True, False])
+def test_a_rejected_step_answers_in_its_place(gates_open: bool) -> None:
+    engine = StubEngine(reject=2)
+    script: list[tuple[str, Any]] = [("send", 1), ("send", 2), ("send", 3)]
+    script += [("sleep", 0.1), ("open", 1), ("open", 3)]
+    if gates_open:
+        script = script[3:] + script[:3]
+    results, log = asyncio.run(_drive(engine, script))
+    assert [r.step_id for r in results] == [1, 2, 3]
+    assert results[1].error.message == "bad step" and not results[0].HasField("error")
+    assert log[0] == "launch 1" and log.index("finish 1") < log.index("launch 3")
