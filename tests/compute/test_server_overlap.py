@@ -76,7 +76,7 @@ async def _drive(
             elif what == "await result":
                 async with got:
                     await asyncio.wait_for(
-                        got.wait_for(lambda: any(r.step_id == arg for r in results)), 10
+                        got.wait_for(lambda a=arg: any(r.step_id == a for r in results)), 10
                     )
 
     async def consume() -> None:
