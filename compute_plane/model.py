@@ -91,6 +91,8 @@ class ModelKernels:
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
     rotary: type[RotaryEmbedding]
+    # silu(gate) * up over the fused gate|up output in one kernel (None: torch's two ops)
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def torch_kernels(cfg: ModelConfig) -> ModelKernels:
@@ -211,6 +213,7 @@ class Model:
             )
         )
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.silu_and_mul = kernels.silu_and_mul if cfg.hidden_act == "silu" else None
         self.embedding_scale = (
             None
             if cfg.embedding_scale is None
@@ -242,37 +245,51 @@ class Model:
         h = embed.dequantize(input_ids) if isinstance(embed, QuantWeight) else embed[input_ids]
         if self.embedding_scale is not None:
             h = h * self.embedding_scale
+        eps = self.cfg.rms_norm_eps
+        m = None  # the last MLP's output, added to the residual by the next norm
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, h = self._attention(layer, h, positions, meta, k_cache, v_cache)
-            gate, up = self.linear(x, layer.gate_up, None).chunk(2, dim=-1)
-            m = self.linear(self.act(gate) * up, layer.down, None)
+            x, h = self._attention(layer, h, m, positions, meta, k_cache, v_cache)
+            gate_up = self.linear(x, layer.gate_up, None)
+            if self.silu_and_mul is not None:
+                act = self.silu_and_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = self.act(gate) * up
+            m = self.linear(act, layer.down, None)
             if layer.mlp_out_norm is not None:
-                m = self.norm(m, layer.mlp_out_norm, self.cfg.rms_norm_eps)
-            h = h + m
-        return self.norm(h, self.final_norm, self.cfg.rms_norm_eps)
+                m = self.norm(m, layer.mlp_out_norm, eps)
+        if m is None:
+            return self.norm(h, self.final_norm, eps)
+        return self.add_norm(m, h, self.final_norm, eps)[0]
 
     def _attention(
         self,
         layer: Layer,
         h: torch.Tensor,
+        m: torch.Tensor | None,
         positions: torch.Tensor,
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's attention block: (the MLP's normed input, the residual stream)."""
+        """One layer's attention block on the residual stream h (+ the last layer's MLP
+        output m, added in the input norm's kernel): (the MLP's normed input, the
+        residual stream)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        x = self.norm(h, layer.input_norm, eps)
+        if m is None:
+            x = self.norm(h, layer.input_norm, eps)
+        else:
+            x, h = self.add_norm(m, h, layer.input_norm, eps)
         qkv = self.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q = self.norm(q, layer.q_norm, eps)
-            k = self.norm(k, layer.k_norm, eps)
         rotary = self.rotary if layer.window is None else self.rotary_local
-        q, k = rotary(q, k, positions)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q, k = rotary.norm_rotate(q, k, positions, layer.q_norm, layer.k_norm, eps, self.norm)
+        else:
+            q, k = rotary(q, k, positions)
         o = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.window)
         o = self.linear(o.reshape(-1, self.q_size), layer.o, None)
         if layer.attn_out_norm is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,6 +69,19 @@ class RotaryEmbedding:
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def norm_rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k (Qwen3, Gemma 3), then the rotation."""
+        return self(norm(q, q_weight, eps), norm(k, k_weight, eps), positions)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

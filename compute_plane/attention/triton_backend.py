@@ -8,15 +8,17 @@ the engine through the engine's own call sites.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
 from compute_plane.attention.torch_backend import AttentionMetadata
 from compute_plane.kernels import cache_ops
+from compute_plane.kernels.activation import silu_and_mul
 from compute_plane.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from compute_plane.kernels.prefill_attention import paged_prefill_attention
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
-from compute_plane.kernels.rotary import apply_rotary
+from compute_plane.kernels.rotary import apply_rotary, norm_apply_rotary
 from compute_plane.model import ModelKernels
 from compute_plane.model_config import ModelConfig
 from compute_plane.rotary import RotaryEmbedding
@@ -77,12 +79,25 @@ class TritonPagedAttention:
 
 
 class TritonRotaryEmbedding(RotaryEmbedding):
-    """The same tables as the torch path, applied by one Triton kernel per tensor."""
+    """The same tables as the torch path, applied to q and k by one Triton kernel (with
+    the per-head norms before it, when the model has them)."""
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary(q, k, positions, self.cos, self.sin)
+
+    def norm_rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm_apply_rotary(q, k, positions, self.cos, self.sin, q_weight, k_weight, eps)
 
 
 def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:
@@ -97,4 +112,5 @@ def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:
         rms_norm=rms_norm,
         add_rms_norm=add_rms_norm,
         rotary=TritonRotaryEmbedding,
+        silu_and_mul=silu_and_mul,
     )

@@ -1,4 +1,5 @@
-"""Fused RMSNorm (+ residual) and rotary kernels against float64 formulas and HF's rotary."""
+"""Fused RMSNorm (+ residual), rotary (+ per-head norm) and SiLU-and-multiply kernels
+against float64 formulas and HF's rotary."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from tests.kernels.reference import DEVICE, DTYPES, TOL
 
 pytest.importorskip("triton")
 
+from compute_plane.kernels.activation import silu_and_mul
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
-from compute_plane.kernels.rotary import apply_rotary
+from compute_plane.kernels.rotary import apply_rotary, norm_apply_rotary
 from compute_plane.rotary import RotaryEmbedding
 
 
@@ -77,3 +79,57 @@ def test_rotary_matches_transformers(h: int, kvh: int, d: int, dtype: torch.dtyp
         assert ours.dtype == dtype
         err = (ours.double() - ref[0].transpose(0, 1)).abs().max().item()
         assert err <= TOL[dtype] * 4, f"max abs error {err:.2e}"
+
+
+ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def _rotate64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] rotated by per-token cos/sin [T, D] (rotate_half layout), in float64."""
+    half = x.shape[-1] // 2
+    x = x.double()
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None].double() + rotated * sin[:, None].double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("h", "kvh", "d"), [(4, 2, 64), (7, 1, 80), (16, 8, 128)])
+def test_norm_and_rotary_in_one_launch(h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
+    """Qwen3's q/k norm then the rotation, on strided head views of one qkv output: the
+    float64 formula, and the separate kernels (rms_norm, then apply_rotary) to rounding."""
+    t = 5
+    rope = RotaryEmbedding(d, 64, 1e6, None, DEVICE, torch.float32)
+    positions = torch.tensor([0, 1, 63, 17, 30], device=DEVICE)
+    qkv = _rand(t, (h + 2 * kvh) * d, seed=d + h, dtype=dtype) * 2
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+    qw, kw = _rand(d, seed=1, dtype=dtype), _rand(d, seed=2, dtype=dtype)
+    cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
+    q_out, k_out = norm_apply_rotary(q, k, positions, cos, sin, qw, kw, 1e-6)
+    sep_q, sep_k = apply_rotary(rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6), positions, cos, sin)
+    c, s_ = cos[positions], sin[positions]
+    for ours, x, w, sep in ((q_out, q, qw, sep_q), (k_out, k, kw, sep_k)):
+        assert ours.dtype == dtype and ours.is_contiguous()
+        ref = _rotate64(_norm64(x, w, 1e-6), c, s_)
+        err = (ours.double() - ref).abs().max().item()
+        assert err <= TOL[dtype] * 8, f"max abs error {err:.2e}"
+        # The same roundings as the two kernels: equal but for the sum's order (an ulp).
+        diff = (ours.double() - sep.double()).abs().max().item()
+        assert diff <= 2 * ULP[dtype] * sep.double().abs().max().item(), f"vs separate: {diff:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 1000, 3072])
+def test_silu_and_mul(inter: int, dtype: torch.dtype) -> None:
+    """silu(gate) * up over a [T, 2I] gate|up output (I not a multiple of the block too)."""
+    gate_up = _rand(3, 2 * inter, seed=inter, dtype=dtype) * 4
+    out = silu_and_mul(gate_up)
+    assert out.shape == (3, inter) and out.dtype == dtype
+    g, u = gate_up.double().chunk(2, dim=-1)
+    exact = g / (1 + torch.exp(-g)) * u
+    err = (out.double() - exact).abs().max().item()
+    assert err <= TOL[dtype] * 16, f"max abs error {err:.2e}"  # |silu(g)·u| reaches ~16
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch_ops = (torch.nn.functional.silu(gate) * up).double()  # what the torch path computes
+    rel = ((out.double() - torch_ops).abs() / torch_ops.abs().clamp_min(1e-3)).max().item()
+    assert rel <= 4 * ULP[dtype], f"vs F.silu(gate) * up: relative {rel:.2e}"
