@@ -5,10 +5,11 @@ checks that a step is well formed, computes it and samples. A malformed step is
 rejected whole (StepRejected) before any state changes.
 
 A step is launched (`launch`: validate, update the requests, queue the forward and the
-argmax) and finished (`finish`: its samples reach the host, the result is made);
-`step` does both. While a plain-greedy step is launched and not finished, its requests'
+sampling) and finished (`finish`: its samples reach the host, the result is made);
+`step` does both. While a step is launched and not finished, its sampling requests'
 last tokens are PENDING (model_runner): the next step may be launched already, taking
 them on the device, so on a GPU the host prepares step k + 1 while step k computes.
+(A step verifying proposals samples on the host at once: its acceptance needs them.)
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-@dataclass
+@dataclass(eq=False)
 class Launched:
     """A step launched on the device; `Engine.finish` makes its result."""
 
@@ -110,6 +111,8 @@ class Launched:
     at: list[int] = field(default_factory=list)
     samples: DeviceSamples | None = None
     out: SampleOutput | None = None  # the samples, once on the host
+    # CUDA: the step's device-time events and its kind, for its timings once finished
+    timing: tuple[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event], str] | None = None
 
     def ready(self) -> bool:
         """Its samples are on the host (finishing it will not wait)."""
@@ -366,7 +369,7 @@ class Engine:
         """Validate the step, update the requests and queue its forward; `finish` it (in
         launch order). A step launched before the last one finished takes that step's
         samples on the device where it can; where it needs them on the host (penalties,
-        masks, proposals, a request raising) it waits for them first."""
+        proposals, a request raising) it waits for them first."""
         rows, failures = self.validator.validate(req, self.requests, self.failed_alone)
         if self._unsettled and (req.proposals or any(st.sampling.penalised for _, st, _ in rows)):
             self._settle_all()  # (penalties count the output tokens on the host)
@@ -408,8 +411,20 @@ class Engine:
     def finish(self, launched: Launched) -> pb.StepResult:
         """The launched step's result, once its samples are on the host."""
         self._settle(launched)
-        if (out := launched.out) is not None:  # (None: dropped by a reset)
-            result = launched.result
+        result = launched.result
+        if launched.samples is not None and launched.out is None:
+            # Its samples were dropped (a Reset while it ran): no result to give.
+            result.error.code = "ABORTED"
+            result.error.message = "the compute plane was reset while this step ran"
+            return result
+        if launched.timing is not None:
+            (start, mid, end), kind = launched.timing
+            result.forward_ns = int(start.elapsed_time(mid) * 1e6)
+            result.sample_ns = int(mid.elapsed_time(end) * 1e6)
+            seconds = (result.forward_ns + result.sample_ns) / 1e9
+            metrics.step_duration.labels(kind=kind, **self.metric_labels).observe(seconds)
+            launched.timing = None
+        if (out := launched.out) is not None:
             for i, r in enumerate(launched.rows if out.logprobs is not None else ()):
                 spec = r.state.sampling
                 if spec.logprobs or spec.top_logprobs:
@@ -420,7 +435,8 @@ class Engine:
             result.sampled_token_ids.extend(out.token_ids)
             self.counters.num_sampled_tokens += len(out.token_ids)
             launched.out = None
-        return launched.result
+            launched.samples = None
+        return result
 
     def _settle(self, launched: Launched) -> None:
         """Write the step's deferred samples over its requests' PENDING tokens."""
@@ -535,7 +551,11 @@ class Engine:
         decodes = sum(1 for r in rows if r.count == 1)
         kind = "decode" if decodes == len(rows) else "prefill" if decodes == 0 else "mixed"
         m = self.metric_labels
-        metrics.step_duration.labels(kind=kind, **m).observe((out.forward_ns + out.sample_ns) / 1e9)
+        if out.device_times is not None:  # timed on the device: known once it finished
+            launched.timing = (out.device_times, kind)
+        else:
+            seconds = (out.forward_ns + out.sample_ns) / 1e9
+            metrics.step_duration.labels(kind=kind, **m).observe(seconds)
         metrics.tokens_per_step.labels(**m).observe(out.num_tokens)
         metrics.seqs_per_step.labels(**m).observe(len(rows))
         result.num_tokens = out.num_tokens

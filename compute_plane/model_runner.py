@@ -64,6 +64,9 @@ class StepOutput:
     # run(defer=True) without proposals: the samples, still on the device (`sampled` is
     # None); each sampling row's last token is PENDING until the engine takes them.
     deferred: DeviceSamples | None = None
+    # Deferred on CUDA: events before the forward, after it and after sampling (the host
+    # times above then only cover queueing the work; these time it on the device).
+    device_times: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None = None
 
 
 class BlockTables:
@@ -232,8 +235,10 @@ class ModelRunner:
                 continue
             end = p + r.count
             ids.extend(st.token_ids[p:end])
-            if ids[-1] < 0:  # (only a request's last token can be PENDING)
+            if ids[-1] < 0:
                 pending.append((len(ids) - 1, r.request_id))
+            if PENDING in st.token_ids[p : end - 1]:  # only a request's last token can be
+                raise RuntimeError(f"request {r.request_id!r}: a pending token inside a chunk")
             pos = range(p, end)
             positions.extend(pos)
             slots.extend(blocks[q // bs] * bs + q % bs for q in pos)
@@ -286,7 +291,7 @@ class ModelRunner:
             it[:used].copy_(self._ints[:used], non_blocking=True)
             if self.device.type == "cuda":
                 self._copied = torch.cuda.Event()
-                self._copied.record()
+                self._copied.record(torch.cuda.current_stream(self.device))
         meta = AttentionMetadata(
             slot_mapping=tok[2 * n : 3 * n],
             block_tables=it[:o].view(num_seqs, width),
@@ -336,6 +341,7 @@ class ModelRunner:
         (StepOutput.deferred; their requests' last tokens are PENDING to later steps)."""
         tp = time.perf_counter_ns()
         x = self.prepare(rows)
+        start = self._timing_event() if defer else None
         t0 = time.perf_counter_ns()  # forward_ns: from the inputs' copy to the device
         graph = self.graphs.padded_size(x.meta) if self.graphs is not None else None
         if self.graphs is not None and graph is not None:
@@ -346,6 +352,7 @@ class ModelRunner:
         if capture_logits:
             every = list(self.model.logits(hidden).split([r.count for r in rows]))
         prompt_lps = self._prompt_logprobs(rows, hidden)
+        mid = self._timing_event() if start is not None else None
         t1 = time.perf_counter_ns()
         sampled = deferred = None
         if x.sample_rows:
@@ -358,7 +365,19 @@ class ModelRunner:
                 sampled = samples.to_host()
         t2 = time.perf_counter_ns()
         n = int(x.input_ids.numel())
-        return StepOutput(sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp, deferred)
+        out = StepOutput(sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp, deferred)
+        end = self._timing_event() if deferred is not None and mid is not None else None
+        if start is not None and mid is not None and end is not None:
+            out.device_times = (start, mid, end)
+        return out
+
+    def _timing_event(self) -> torch.cuda.Event | None:
+        """A timing event recorded on the device's stream now (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def _prompt_logprobs(
         self, rows: list[Row], hidden: torch.Tensor

@@ -45,7 +45,7 @@ class SampleOutput:
     top_logprobs: list[list[float]] | None
 
 
-@dataclass
+@dataclass(eq=False)
 class DeviceSamples:
     """A step's samples on the device (as SampleOutput, tensors), and their host copies:
     queued by `copy_to_host`, waited for by `wait` / `to_host`."""
@@ -73,7 +73,7 @@ class DeviceSamples:
                 h.copy_(t, non_blocking=cuda)
         if cuda:
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.token_ids.device))
         return self
 
     def ready(self) -> bool:

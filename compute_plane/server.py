@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -121,19 +121,24 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         if not engine.overlap:
             async for step in request_iterator:
                 received = time.time_ns()
-                launched = await self._launch(engine, step, context)
+                try:
+                    launched = await self._launch(engine, step)
+                except Exception as e:
+                    await self._failed(engine, step.step_id, e, context)
                 yield await self._finish(engine, launched, received, context)
             return
         # Overlapped: read the stream into a queue, so that while a launched step computes
         # the next one can be launched as soon as it arrives.
         arrived: asyncio.Queue[tuple[pb.StepRequest, int] | None] = asyncio.Queue()
 
+        broke: list[BaseException] = []
+
         async def read() -> None:
             try:
                 async for step in request_iterator:
                     arrived.put_nowait((step, time.time_ns()))
-            except Exception as e:  # the stream broke: the steps launched still finish
-                log.info("step stream ended: %s", e)
+            except Exception as e:  # the stream broke: finish what was launched, then raise
+                broke.append(e)
             finally:
                 arrived.put_nowait(None)
 
@@ -151,6 +156,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
                     if isinstance(launched, Launched) and not launched.ready():
                         got = asyncio.ensure_future(arrived.get())
                         ready = loop.run_in_executor(self.waiter, launched.wait)
+                        ready.add_done_callback(_retrieve)  # (finish raises it, if any)
                         await asyncio.wait((got, ready), return_when=asyncio.FIRST_COMPLETED)
                         if got.done():
                             taken.append(got.result())
@@ -163,21 +169,27 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
                 if item is None:
                     break
                 step, received = item
-                launched = await self._launch(engine, step, context)
+                try:
+                    launched = await self._launch(engine, step)
+                except Exception as e:
+                    if pending is not None:  # its result first: it computed
+                        yield await self._finish(engine, *pending, context)
+                        pending = None
+                    await self._failed(engine, step.step_id, e, context)
                 if pending is not None:
                     yield await self._finish(engine, *pending, context)
                 pending = (launched, received)
             if pending is not None:
                 yield await self._finish(engine, *pending, context)
+            if broke:
+                raise broke[0]
         finally:
             reader.cancel()
             if got is not None:
                 got.cancel()
 
-    async def _launch(
-        self, engine: Engine, step: pb.StepRequest, context: grpc.aio.ServicerContext
-    ) -> Launched | pb.StepResult:
-        """The step launched, or its result when it was rejected."""
+    async def _launch(self, engine: Engine, step: pb.StepRequest) -> Launched | pb.StepResult:
+        """The step launched, or its result when it was rejected (other errors raise)."""
         try:
             return await self._call(engine.launch, step)
         except StepRejected as e:
@@ -185,9 +197,6 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
             return pb.StepResult(
                 step_id=step.step_id, error=pb.StepError(code=e.code, message=str(e))
             )
-        except Exception as e:
-            await self._failed(engine, step.step_id, e, context)
-            raise  # (abort raises)
 
     async def _finish(
         self,
@@ -211,12 +220,13 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
 
     async def _failed(
         self, engine: Engine, step_id: int, error: Exception, context: grpc.aio.ServicerContext
-    ) -> None:
+    ) -> NoReturn:
         """A step raised: state may be half-updated, so drop it all (the control plane
         re-sends its requests in full when it reattaches) and end the stream."""
         log.error("step %d failed", step_id, exc_info=error)
         await self._call(engine.reset, True)
         await context.abort(grpc.StatusCode.INTERNAL, f"step {step_id} failed: {error}")
+        raise AssertionError("abort raises")
 
     def num_held(self) -> int:
         """Requests the engine holds (what a drain waits for)."""
@@ -256,6 +266,12 @@ async def serve(config: ComputeConfig) -> None:
         await plane.close()
         servicer.executor.shutdown(wait=False, cancel_futures=True)
         servicer.waiter.shutdown(wait=False, cancel_futures=True)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a waiter's exception as seen (the step's finish raises it again)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _load_engine(config: ComputeConfig) -> Engine:

@@ -144,3 +144,12 @@ def test_a_step_that_needs_host_tokens_waits_for_the_pending_ones(engine: Engine
     r1, r2 = engine.finish(g), engine.finish(x)
     assert list(r1.sampled_ids) == ["g"] and sorted(r2.sampled_ids) == ["g", "x"]
     assert r1.sampled_token_ids[0] == engine.requests["g"].token_ids[-2]
+
+
+def test_a_step_whose_samples_a_reset_dropped_answers_aborted(engine: Engine) -> None:
+    _fresh(engine, staged=engine.device.type != "cpu")
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=2)
+    launched = engine.launch(drv.step(new=[drv.new("g", [9, 10, 11], 3)]))
+    engine.reset()
+    result = engine.finish(launched)
+    assert result.error.code == "ABORTED" and not result.sampled_ids

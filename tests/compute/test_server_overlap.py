@@ -37,14 +37,16 @@ class Gate:
 class StubEngine:
     overlap = True
 
-    def __init__(self, reject: int | None = None) -> None:
+    def __init__(self, reject: int | None = None, crash: int | None = None) -> None:
         self.log: list[str] = []
         self.gates: dict[int, Gate] = {}
-        self.reject = reject
+        self.reject, self.crash = reject, crash
 
     def launch(self, step: pb.StepRequest) -> Launched:
         if step.step_id == self.reject:
             raise StepRejected("bad step")
+        if step.step_id == self.crash:
+            raise RuntimeError("boom")
         self.log.append(f"launch {step.step_id}")
         gate = self.gates.setdefault(step.step_id, Gate())
         return Launched(pb.StepResult(step_id=step.step_id), samples=gate)  # type: ignore[arg-type]
@@ -54,6 +56,18 @@ class StubEngine:
         launched.samples.wait()
         self.log.append(f"finish {launched.result.step_id}")
         return launched.result
+
+    def reset(self, failed: bool = False) -> None:
+        self.log.append("reset")
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    async def abort(self, code: object, message: str) -> None:
+        raise Aborted(message)
 
 
 async def _drive(
@@ -80,12 +94,15 @@ async def _drive(
                     )
 
     async def consume() -> None:
-        async for r in servicer._steps(engine, steps(), context=None):  # type: ignore[arg-type]
+        async for r in servicer._steps(engine, steps(), Context()):  # type: ignore[arg-type]
             async with got:
                 results.append(r)
                 got.notify_all()
 
-    await asyncio.wait_for(consume(), 20)
+    try:
+        await asyncio.wait_for(consume(), 20)
+    except Aborted as e:
+        engine.log.append(f"aborted: {e}")
     servicer.executor.shutdown()
     servicer.waiter.shutdown()
     return results, engine.log
@@ -129,3 +146,12 @@ def test_a_rejected_step_answers_in_its_place(gates_open: bool) -> None:
     assert [r.step_id for r in results] == [1, 2, 3]
     assert results[1].error.message == "bad step" and not results[0].HasField("error")
     assert log[0] == "launch 1" and log.index("finish 1") < log.index("launch 3")
+
+
+def test_a_step_that_raises_at_launch_lets_the_one_before_answer_first() -> None:
+    """Step 1 computed: its result goes back before the stream ends on step 2's error."""
+    engine = StubEngine(crash=2)
+    script = [("send", 1), ("send", 2), ("sleep", 0.1), ("open", 1)]
+    results, log = asyncio.run(_drive(engine, script))
+    assert [r.step_id for r in results] == [1]
+    assert log == ["launch 1", "finish 1", "reset", "aborted: step 2 failed: boom"]
