@@ -9,8 +9,9 @@ Three figures, each against what the hardware allows:
    device-to-device copy bandwidth measured in the same run (the practical peak).
    **Prefill attention kernel**: TFLOP/s of its causal dots on bf16 operands (tensor
    cores), and on fp32 copies as before ([M]) (`prefill_kernel`).
-2. **Model decode step** (CUDA graph replay, batch 1 and 64): its time against
-   (weight bytes + K/V bytes) / copy bandwidth, the least a memory-bound step can take.
+2. **Model decode step** (CUDA graph replay, batch 1, 64 and 256): its time against
+   (weight bytes + K/V bytes) / copy bandwidth, the least a memory-bound step can take,
+   and the kernels a replay runs (`kernels`, from torch's profiler).
 3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
    EOS ignored, through `OfflineLLM` (scheduler + engine in one process), then through
    the path users deploy: a compute-plane process driven over gRPC by a control-plane
@@ -229,6 +230,24 @@ def _decode_graph_time(engine: Any, batch: int, ctx: int) -> float:
     return _time_cuda(graphs.graphs[size].replay, iters=30)
 
 
+def _graph_kernels(engine: Any, batch: int) -> int | None:
+    """Kernels one replay of the decode graph of `batch` runs (torch's profiler), or None
+    where the profiler does not see into graphs."""
+    graphs = engine.graphs
+    size = next(b for b in graphs.sizes if b >= batch)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graphs.graphs[size].replay()
+            torch.cuda.synchronize()
+        n = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    except Exception as e:  # (a profiler that cannot run here costs this figure only)
+        print(f"kernel count unavailable: {e}", flush=True)
+        return None
+    return n or None
+
+
 def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
     cfg = engine.model_config
     weight_bytes = engine.model.weight_bytes
@@ -250,6 +269,7 @@ def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
                 "ms": round(t * 1e3, 3),
                 "memory_bound_ms": round(bound * 1e3, 3),
                 "of_memory_bound": round(bound / t, 3),
+                "kernels": _graph_kernels(engine, batch),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
