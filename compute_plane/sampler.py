@@ -30,7 +30,6 @@ __all__ = [
     "SampleOutput",
     "SamplingSpec",
     "allowed_tokens",
-    "sample",
     "sample_on_device",
 ]
 
@@ -90,21 +89,6 @@ class DeviceSamples:
         assert self.host is not None
         ids, lp, top_ids, top_lp = (None if h is None else h.tolist() for h in self.host)
         return SampleOutput(ids, lp, top_ids, top_lp)  # type: ignore[arg-type]
-
-
-def sample(
-    logits: torch.Tensor,  # [B, V] float32, on the model's device
-    specs: list[SamplingSpec],
-    prompt_token_ids: list[list[int]],  # per row, for the repetition penalty
-    output_token_ids: list[list[int]],  # per row, generated so far (all penalties)
-    positions: list[int],  # per row, index of the token being sampled (seeds)
-    banned_ids: list[tuple[int, ...]] | None = None,  # per row, ids that may not be sampled
-    masks: list[pb.TokenMask | None] | None = None,  # per row, the ids it may sample (grammar)
-) -> SampleOutput:
-    """`sample_on_device`, on the host."""
-    return sample_on_device(
-        logits, specs, prompt_token_ids, output_token_ids, positions, banned_ids, masks
-    ).to_host()
 
 
 def sample_on_device(

@@ -18,7 +18,7 @@ from compute_plane.kernels.activation import silu_and_mul
 from compute_plane.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from compute_plane.kernels.prefill_attention import paged_prefill_attention
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
-from compute_plane.kernels.rotary import apply_rotary, norm_apply_rotary
+from compute_plane.kernels.rotary import apply_rotary
 from compute_plane.model import ModelKernels
 from compute_plane.model_config import ModelConfig
 from compute_plane.rotary import RotaryEmbedding
@@ -97,7 +97,7 @@ class TritonRotaryEmbedding(RotaryEmbedding):
         eps: float,
         norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return norm_apply_rotary(q, k, positions, self.cos, self.sin, q_weight, k_weight, eps)
+        return apply_rotary(q, k, positions, self.cos, self.sin, q_weight, k_weight, eps)
 
 
 def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:

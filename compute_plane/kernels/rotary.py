@@ -3,9 +3,9 @@
 For each head, with x = [x1 | x2] split at half the head dim and the tables'
 first half c, s at the token's position:  out = [x1·c − x2·s | x2·c + x1·s].
 
-`apply_rotary` rotates q and k in one launch; `norm_apply_rotary` first RMS-normalises
-each head by its weight (Qwen3's q/k norm), with `rms_norm`'s roundings, in the same
-launch: one kernel where there were four.
+`apply_rotary` rotates q and k in one launch, given norm weights after RMS-normalising
+each head (Qwen3's q/k norm) with `rms_norm`'s roundings: one kernel where there were
+four.
 """
 
 from __future__ import annotations
@@ -96,35 +96,12 @@ def apply_rotary(
     positions: torch.Tensor,  # [T]
     cos: torch.Tensor,  # [max_pos, D]
     sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,  # [D]: RMS-normalise each head first (Qwen3)
+    k_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated copies of q and k (contiguous), each token by its position's angles."""
-    return _qk(q, k, positions, cos, sin, None, None, 0.0)
-
-
-def norm_apply_rotary(
-    q: torch.Tensor,  # [T, H, D]
-    k: torch.Tensor,  # [T, KVH, D]
-    positions: torch.Tensor,  # [T]
-    cos: torch.Tensor,  # [max_pos, D]
-    sin: torch.Tensor,
-    q_weight: torch.Tensor,  # [D]
-    k_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotary(rms_norm(q, q_weight), rms_norm(k, k_weight)) per head, in one launch."""
-    return _qk(q, k, positions, cos, sin, q_weight, k_weight, eps)
-
-
-def _qk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of q and k (contiguous), each token by its position's angles, in one
+    launch; with norm weights, rotary(rms_norm(q, q_weight), rms_norm(k, k_weight))."""
     t, h, d = q.shape
     kvh = k.shape[1]
     assert k.shape == (t, kvh, d) and d % 2 == 0

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compute_plane.sampler import SampleOutput, SamplingSpec, sample
+from compute_plane.sampler import SampleOutput, SamplingSpec, sample_on_device
 from hetero_proto import compute_pb2 as pb
 
 # Probabilities chosen by hand; the logits are their logs, so softmax(logits) == P.
 P = [0.4, 0.25, 0.2, 0.1, 0.05]
 LOGITS = [math.log(p) for p in P]
 CHI2_DF4_P001 = 18.47  # chi-square critical value, 4 degrees of freedom, p = 0.001
+
+
+def sample(*args: Any) -> SampleOutput:
+    """The sampler's output on the host."""
+    return sample_on_device(*args).to_host()
 
 
 def _batch(

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 
 from compute_plane.kernels.activation import silu_and_mul
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
-from compute_plane.kernels.rotary import apply_rotary, norm_apply_rotary
+from compute_plane.kernels.rotary import apply_rotary
 from compute_plane.rotary import RotaryEmbedding
 
 
@@ -105,7 +105,7 @@ def test_norm_and_rotary_in_one_launch(h: int, kvh: int, d: int, dtype: torch.dt
     k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
     qw, kw = _rand(d, seed=1, dtype=dtype), _rand(d, seed=2, dtype=dtype)
     cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
-    q_out, k_out = norm_apply_rotary(q, k, positions, cos, sin, qw, kw, 1e-6)
+    q_out, k_out = apply_rotary(q, k, positions, cos, sin, qw, kw, 1e-6)
     sep_q, sep_k = apply_rotary(rms_norm(q, qw, 1e-6), rms_norm(k, kw, 1e-6), positions, cos, sin)
     c, s_ = cos[positions], sin[positions]
     for ours, x, w, sep in ((q_out, q, qw, sep_q), (k_out, k, kw, sep_k)):
