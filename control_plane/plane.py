@@ -104,6 +104,11 @@ class ComputePlane:
         # The steps sent whose results are not back, oldest first: one, or two with async
         # scheduling (the next one planned while the compute plane runs the first).
         self._in_flight: deque[SchedulerOutput] = deque()
+        # Per step in flight: whether it was counted ahead (Scheduler.advance, resolved when
+        # its result comes) or is applied as planned one at a time (Scheduler.update, which
+        # also takes accepted proposals): a step that proposes, or carries grammar masks,
+        # is planned with nothing in flight and none planned behind it.
+        self._advanced: deque[bool] = deque()
         # Requests in flight when the compute plane failed, until a step of theirs runs,
         # with how many failures in a row they saw. They go back one at a time: the others
         # wait in `_held` until the one on trial has run a step (or ended), so a request
@@ -340,6 +345,7 @@ class ComputePlane:
         # Sampled (and accepted proposals), not yet emitted.
         ready: tuple[cpb.StepResult, dict[str, int], dict[str, list[int]] | None] | None = None
         marks: deque[tuple[int, int, int, int, int]] = deque()  # timeline, per step in flight
+        advanced = self._advanced
         while True:
             out = None
             t_sched = time.time_ns()
@@ -375,6 +381,10 @@ class ComputePlane:
                 t_encoded = time.time_ns()
                 (self._loop_metrics.steps_ahead if lookahead else self._loop_metrics.steps).inc()
                 in_flight.append(out)
+                ahead = self.engine.config.async_scheduling and (
+                    lookahead or self._may_look_ahead(sched)
+                )
+                advanced.append(ahead)
                 try:
                     await self.client.send(step)
                 finally:
@@ -382,7 +392,7 @@ class ComputePlane:
                     if ready is not None:  # emitted even when the link fails: kept tokens
                         self._emit(*ready)
                         ready = None
-                if self.engine.config.async_scheduling:
+                if ahead:
                     sched.advance(out)
             if ready is not None:
                 self._emit(*ready)
@@ -390,11 +400,12 @@ class ComputePlane:
             t_emitted = time.time_ns()
             if out is not None:
                 marks.append((t_sched, t_scheduled, t_encoded, t_sent, t_emitted))
-                if len(in_flight) == 1 and self._may_look_ahead(sched):
+                if len(in_flight) == 1 and advanced[-1] and self._may_look_ahead(sched):
                     continue  # plan the next step while this one runs
             result = await self.client.receive()
             t_result = time.time_ns()
             done = in_flight.popleft()
+            was_advanced = advanced.popleft()
             if self._suspects:
                 self._clear_suspects(done)
             if result.failed:
@@ -405,7 +416,7 @@ class ComputePlane:
                 self._shed_waiting()
             sampled = sampled_tokens(result)
             accepted = None
-            if self.engine.config.async_scheduling:
+            if was_advanced:
                 sched.resolve(done, sampled)
             else:
                 accepted = self._accepted(sched, result) if result.accepted else None
@@ -510,6 +521,7 @@ class ComputePlane:
         # Each request once per failure, whichever of the steps in flight hold it.
         reqs = {req: None for out in self._in_flight for req, _ in out.scheduled()}
         self._in_flight.clear()
+        self._advanced.clear()
         for req in reqs:
             rid = req.request_id
             count = self._suspects[rid] = self._suspects.get(rid, 0) + 1

@@ -79,4 +79,16 @@ def test_overlapped_compute_steps_keep_greedy_text(
         launched = _steps(metrics_port, "hetero_compute_steps_total", "overlapped")
     _same(got, plain)
     assert stats.num_preemptions > 0
-    assert launched["ahead"] > launched["sync"] > 0, launched
+    # Launched behind the previous step whenever it was queued in time: about half of the
+    # steps here (the small pool makes many steps wait for a result to be planned).
+    assert launched["ahead"] >= 0.25 * (launched["ahead"] + launched["sync"]) > 0, launched
+
+
+def test_speculative_decoding_with_async_scheduling_keeps_greedy_text(
+    compute: str, sequential: tuple[list[Any], pb.EngineStats]
+) -> None:
+    """With proposals, steps are planned one at a time and applied with their accepted
+    tokens (they were once resolved as planned-ahead steps, which dropped them)."""
+    got, stats = _run(compute, "--async-scheduling", "--speculative", "ngram")
+    _same(got, sequential[0])
+    assert stats.num_spec_accepted_tokens > 0
