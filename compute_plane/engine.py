@@ -34,7 +34,7 @@ from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.loader import LoadedModel, load_model
 from compute_plane.model import Model, ModelKernels
-from compute_plane.model_runner import PENDING, ModelRunner, StepOutput
+from compute_plane.model_runner import PENDING, ModelRunner, PromptLogprobs, StepOutput
 from compute_plane.requests import (
     Failure,
     RequestState,
@@ -111,6 +111,7 @@ class Launched:
     at: list[int] = field(default_factory=list)
     samples: DeviceSamples | None = None
     out: SampleOutput | None = None  # the samples, once on the host
+    prompt_logprobs: PromptLogprobs | None = None  # of the rows that asked, on their way
     # CUDA: the step's device-time events and its kind, for its timings once finished
     timing: tuple[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event], str] | None = None
 
@@ -417,6 +418,9 @@ class Engine:
             result.error.code = "ABORTED"
             result.error.message = "the compute plane was reset while this step ran"
             return result
+        if launched.prompt_logprobs is not None:
+            result.prompt_logprobs.extend(launched.prompt_logprobs.messages())
+            launched.prompt_logprobs = None
         if launched.timing is not None:
             (start, mid, end), kind = launched.timing
             result.forward_ns = int(start.elapsed_time(mid) * 1e6)
@@ -536,8 +540,7 @@ class Engine:
                 r.state.token_ids.append(PENDING)
             launched.samples = out.deferred
             self._unsettled.append(launched)
-        if out.prompt_logprobs:
-            result.prompt_logprobs.extend(out.prompt_logprobs)
+        launched.prompt_logprobs = out.prompt_logprobs  # (read when the step finishes)
         c = self.counters
         for r in rows:
             np_ = r.state.num_prompt_tokens

@@ -35,7 +35,7 @@ from compute_plane.cuda_graphs import DecodeGraphs
 from compute_plane.kv_cache import KVCache
 from compute_plane.model import Model
 from compute_plane.requests import RequestState, Row
-from compute_plane.sampler import DeviceSamples, SampleOutput, sample_on_device
+from compute_plane.sampler import DeviceSamples, HostCopy, SampleOutput, sample_on_device, to_device
 from hetero_proto import compute_pb2 as pb
 
 PENDING = -1  # a request's last token while its sample is on the device (Engine.launch)
@@ -59,7 +59,7 @@ class StepOutput:
     forward_ns: int
     sample_ns: int
     logits_by_row: list[torch.Tensor] | None = None  # with capture_logits: every token's
-    prompt_logprobs: list[pb.PromptLogprobs] | None = None  # rows that asked for them
+    prompt_logprobs: PromptLogprobs | None = None  # of the rows that asked for them
     prepare_ns: int = 0  # building the step's inputs
     # run(defer=True) without proposals: the samples, still on the device (`sampled` is
     # None); each sampling row's last token is PENDING until the engine takes them.
@@ -67,6 +67,28 @@ class StepOutput:
     # Deferred on CUDA: events before the forward, after it and after sampling (the host
     # times above then only cover queueing the work; these time it on the device).
     device_times: tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event] | None = None
+
+
+@dataclass(eq=False)
+class PromptLogprobs:
+    """A step's prompt logprobs (rows that asked), their copy to the host queued."""
+
+    asked: list[tuple[str, int, list[int], int]]  # request, first position, targets, top k
+    copy: HostCopy  # per row: logprobs [n], ranks [n], top values [n, k], top ids [n, k]
+
+    def messages(self) -> list[pb.PromptLogprobs]:
+        values = self.copy.lists()
+        out = []
+        for j, (rid, start, targets, k) in enumerate(self.asked):
+            lps, ranks, top_vals, top_ids = values[4 * j : 4 * j + 4]
+            msg = pb.PromptLogprobs(request_id=rid, start=start)
+            for i, (t, v, rank) in enumerate(zip(targets, lps, ranks, strict=True)):
+                tr = msg.tokens.add(token_id=t, logprob=v, rank=rank)
+                if k:
+                    for tid, tv in zip(top_ids[i], top_vals[i], strict=True):
+                        tr.top_logprobs.add(token_id=tid, logprob=tv)
+            out.append(msg)
+        return out
 
 
 class BlockTables:
@@ -379,12 +401,12 @@ class ModelRunner:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def _prompt_logprobs(
-        self, rows: list[Row], hidden: torch.Tensor
-    ) -> list[pb.PromptLogprobs] | None:
+    def _prompt_logprobs(self, rows: list[Row], hidden: torch.Tensor) -> PromptLogprobs | None:
         """For rows that asked: each computed prompt position's logits score the prompt
-        token after it (logprob, rank, top ones), as vLLM's prompt_logprobs."""
-        out = None
+        token after it (logprob, rank, top ones), as vLLM's prompt_logprobs; computed on
+        the device, read on the host when the step finishes."""
+        asked: list[tuple[str, int, list[int], int]] = []
+        tensors: list[torch.Tensor | None] = []
         offset = 0
         for r in rows:
             st, k = r.state, r.state.sampling.prompt_logprobs
@@ -392,24 +414,14 @@ class ModelRunner:
             if k is not None and last > r.start:
                 n = last - r.start
                 logp = torch.log_softmax(self.model.logits(hidden[offset : offset + n]).float(), -1)
-                targets = torch.tensor(st.token_ids[r.start + 1 : last + 1], device=logp.device)
-                lp = logp.gather(1, targets[:, None])
+                targets = st.token_ids[r.start + 1 : last + 1]
+                lp = logp.gather(1, to_device(targets, torch.long, logp.device)[:, None])
                 ranks = (logp > lp).sum(dim=1) + 1
-                msg = pb.PromptLogprobs(request_id=r.request_id, start=r.start + 1)
                 top = logp.topk(k, dim=-1) if k else None
-                for i, (t, v, rank) in enumerate(
-                    zip(targets.tolist(), lp[:, 0].tolist(), ranks.tolist(), strict=True)
-                ):
-                    tr = msg.tokens.add(token_id=t, logprob=v, rank=rank)
-                    if top is not None:
-                        for tid, tv in zip(
-                            top.indices[i].tolist(), top.values[i].tolist(), strict=True
-                        ):
-                            tr.top_logprobs.add(token_id=tid, logprob=tv)
-                out = [] if out is None else out
-                out.append(msg)
+                asked.append((r.request_id, r.start + 1, targets, k))
+                tensors += [lp[:, 0], ranks, *(top if top is not None else (None, None))]
             offset += r.count
-        return out
+        return PromptLogprobs(asked, HostCopy.of(tensors)) if asked else None
 
     @staticmethod
     def _sample(rows: list[Row], logits: torch.Tensor) -> DeviceSamples:

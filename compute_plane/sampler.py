@@ -18,6 +18,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from hetero_proto import compute_pb2 as pb
 
 __all__ = [
     "DeviceSamples",
+    "HostCopy",
     "SampleOutput",
     "SamplingSpec",
     "allowed_tokens",
@@ -45,35 +47,32 @@ class SampleOutput:
 
 
 @dataclass(eq=False)
-class DeviceSamples:
-    """A step's samples on the device (as SampleOutput, tensors), and their host copies:
-    queued by `copy_to_host`, waited for by `wait` / `to_host`."""
+class HostCopy:
+    """Tensors on their way from the device to the host: copies queued behind the work
+    that makes them (into pinned memory on CUDA), one event for them all. On the CPU the
+    tensors themselves."""
 
-    token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None = None  # [B]
-    top_ids: torch.Tensor | None = None  # [B, k]
-    top_logprobs: torch.Tensor | None = None  # [B, k]
-    host: list[torch.Tensor | None] | None = None  # the copies, in the fields' order
-    event: torch.cuda.Event | None = None  # the copies', on CUDA
+    host: list[torch.Tensor | None]
+    event: torch.cuda.Event | None = None
 
-    def copy_to_host(self) -> DeviceSamples:
-        """Queue the copies (into pinned memory on CUDA, behind everything queued)."""
-        cuda = self.token_ids.device.type == "cuda"
-        fields = (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)
-        if self.token_ids.device.type == "cpu":
-            self.host = list(fields)
-            return self
-        self.host = [
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor | None]) -> HostCopy:
+        device = next((t.device for t in tensors if t is not None), None)
+        if device is None or device.type == "cpu":
+            return cls(list(tensors))
+        cuda = device.type == "cuda"
+        host = [
             None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
-            for t in fields
+            for t in tensors
         ]
-        for t, h in zip(fields, self.host, strict=True):
+        for t, h in zip(tensors, host, strict=True):
             if t is not None and h is not None:
                 h.copy_(t, non_blocking=cuda)
+        event = None
         if cuda:
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(self.token_ids.device))
-        return self
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        return cls(host, event)
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -82,13 +81,40 @@ class DeviceSamples:
         if self.event is not None:
             self.event.synchronize()
 
-    def to_host(self) -> SampleOutput:
-        if self.host is None:
-            self.copy_to_host()
+    def lists(self) -> list[Any]:
+        """The tensors as (nested) lists, once copied."""
         self.wait()
-        assert self.host is not None
-        ids, lp, top_ids, top_lp = (None if h is None else h.tolist() for h in self.host)
-        return SampleOutput(ids, lp, top_ids, top_lp)  # type: ignore[arg-type]
+        return [None if h is None else h.tolist() for h in self.host]
+
+
+@dataclass(eq=False)
+class DeviceSamples:
+    """A step's samples on the device (as SampleOutput, tensors), and their host copies:
+    queued by `copy_to_host`, waited for by `wait` / `to_host`."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B]
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+    copy: HostCopy | None = None
+
+    def copy_to_host(self) -> DeviceSamples:
+        """Queue the copies behind everything queued."""
+        self.copy = HostCopy.of((self.token_ids, self.logprobs, self.top_ids, self.top_logprobs))
+        return self
+
+    def ready(self) -> bool:
+        return self.copy is None or self.copy.ready()
+
+    def wait(self) -> None:
+        if self.copy is not None:
+            self.copy.wait()
+
+    def to_host(self) -> SampleOutput:
+        copy = self.copy or self.copy_to_host().copy
+        assert copy is not None
+        ids, lp, top_ids, top_lp = copy.lists()
+        return SampleOutput(ids, lp, top_ids, top_lp)
 
 
 def sample_on_device(

@@ -30,6 +30,8 @@ PLAN: dict[str, tuple[list[int], pb.SamplingParams, int, int]] = {
     "p": ([30, 31, 32, 30, 31], PENALISED, 6, 9),  # needs its tokens on the host
     "s": ([60, 61, 62], pb.SamplingParams(temperature=0.9, top_p=0.8, seed=11), 2, 14),
     "l": ([70, 71], pb.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3), 4, 16),
+    # prompt logprobs, over two chunks (read on the host when their step finishes)
+    "q": ([(5 * i + 1) % 250 + 3 for i in range(12)], pb.SamplingParams(prompt_logprobs=2), 2, 8),
 }
 MASKED_AT = 9  # a step where "a" samples under a token mask
 
@@ -121,6 +123,8 @@ def test_overlapped_steps_equal_sequential_ones(engine: Engine, staged: bool) ->
 
     assert gathered >= 40, "the steps did not overlap"
     assert overlapped == sequential
+    scored = [t for r in sequential for p in r.prompt_logprobs for t in p.tokens]
+    assert len(scored) == 11 and all(len(t.top_logprobs) == 2 for t in scored)
     assert PENDING not in [t for st in engine.requests.values() for t in st.token_ids]
     assert set(engine.captured_logits) == set(logits)
     for rid, v in engine.captured_logits.items():
