@@ -116,12 +116,15 @@ class Launched:
     timing: tuple[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event], str] | None = None
 
     def ready(self) -> bool:
-        """Its samples are on the host (finishing it will not wait)."""
-        return self.samples is None or self.samples.ready()
+        """Its samples and prompt logprobs are on the host (finishing it will not wait)."""
+        lps = self.prompt_logprobs
+        return (self.samples is None or self.samples.ready()) and (lps is None or lps.copy.ready())
 
     def wait(self) -> None:
         if self.samples is not None:
             self.samples.wait()
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.copy.wait()
 
 
 class Engine:
