@@ -105,10 +105,9 @@ class Launched:
     """A step launched on the device; `Engine.finish` makes its result."""
 
     result: pb.StepResult
-    # With deferred samples: the rows that sample, in order, and where each one's PENDING
-    # token stands in its request's tokens.
+    # With deferred samples: the rows that sample, in order (each one's PENDING token
+    # stands at r.start + r.count in its request's tokens).
     rows: list[Row] = field(default_factory=list)
-    at: list[int] = field(default_factory=list)
     samples: DeviceSamples | None = None
     out: SampleOutput | None = None  # the samples, once on the host
     prompt_logprobs: PromptLogprobs | None = None  # of the rows that asked, on their way
@@ -452,8 +451,8 @@ class Engine:
         self._unsettled.remove(launched)
         assert launched.samples is not None
         launched.out = launched.samples.to_host()
-        for r, i, t in zip(launched.rows, launched.at, launched.out.token_ids, strict=True):
-            r.state.token_ids[i] = t
+        for r, t in zip(launched.rows, launched.out.token_ids, strict=True):
+            r.state.token_ids[r.start + r.count] = t
         self.runner.taken(launched.samples)
 
     def _settle_all(self) -> None:
@@ -535,11 +534,10 @@ class Engine:
             for r, lg in zip(rows, out.logits_by_row, strict=True):
                 self.captured_logits.setdefault(r.request_id, []).append(lg)
         if out.sampled is not None:
-            self._take_samples([r for r in rows if r.samples], out.sampled, result)
+            self._take_samples(out.sample_rows, out.sampled, result)
         elif out.deferred is not None:
-            launched.rows = [r for r in rows if r.samples]
+            launched.rows = out.sample_rows
             for r in launched.rows:
-                launched.at.append(len(r.state.token_ids))
                 r.state.token_ids.append(PENDING)
             launched.samples = out.deferred
             self._unsettled.append(launched)

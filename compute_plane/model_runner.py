@@ -25,7 +25,7 @@ entries: positions in the ids, and rows of that tensor), gathered on the device.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ class StepOutput:
     logits_by_row: list[torch.Tensor] | None = None  # with capture_logits: every token's
     prompt_logprobs: PromptLogprobs | None = None  # of the rows that asked for them
     prepare_ns: int = 0  # building the step's inputs
+    sample_rows: list[Row] = field(default_factory=list)  # rows that sampled, in order
     # run(defer=True) without proposals: the samples, still on the device (`sampled` is
     # None); each sampling row's last token is PENDING until the engine takes them.
     deferred: DeviceSamples | None = None
@@ -387,7 +388,9 @@ class ModelRunner:
                 sampled = samples.to_host()
         t2 = time.perf_counter_ns()
         n = int(x.input_ids.numel())
-        out = StepOutput(sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp, deferred)
+        out = StepOutput(
+            sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp, x.sample_rows, deferred
+        )
         end = self._timing_event() if deferred is not None and mid is not None else None
         if start is not None and mid is not None and end is not None:
             out.device_times = (start, mid, end)
