@@ -93,6 +93,16 @@ class ModelKernels:
     rotary: type[RotaryEmbedding]
     # silu(gate) * up over the fused gate|up output in one kernel (None: torch's two ops)
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Attention over the cache alone, the step's K/V stored there by the rotation
+    # (`rotary.rotate_into_cache`: one kernel with the KV write on the Triton path);
+    # None: rotation, then `attention.forward` writes K/V and attends.
+    attend: (
+        Callable[
+            [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, int | None],
+            torch.Tensor,
+        ]
+        | None
+    ) = None
 
 
 def torch_kernels(cfg: ModelConfig) -> ModelKernels:
@@ -220,6 +230,7 @@ class Model:
             else torch.tensor(cfg.embedding_scale, dtype=dtype, device=device)
         )
         self.attention = kernels.attention
+        self.attend = kernels.attend
         self.norm = kernels.rms_norm
         self.add_norm = kernels.add_rms_norm
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -286,11 +297,20 @@ class Model:
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         rotary = self.rotary if layer.window is None else self.rotary_local
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q, k = rotary.norm_rotate(q, k, positions, layer.q_norm, layer.k_norm, eps, self.norm)
+        if self.attend is not None:
+            q = rotary.rotate_into_cache(
+                q, k, v, positions, k_cache, v_cache, meta.slot_mapping, layer.q_norm,
+                layer.k_norm, eps, self.norm,
+            )  # fmt: skip
+            o = self.attend(q, k_cache, v_cache, meta, layer.window)
         else:
-            q, k = rotary(q, k, positions)
-        o = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.window)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = rotary.norm_rotate(
+                    q, k, positions, layer.q_norm, layer.k_norm, eps, self.norm
+                )
+            else:
+                q, k = rotary(q, k, positions)
+            o = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.window)
         o = self.linear(o.reshape(-1, self.q_size), layer.o, None)
         if layer.attn_out_norm is None:
             return self.add_norm(o, h, layer.mlp_norm, eps)

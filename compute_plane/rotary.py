@@ -83,6 +83,31 @@ class RotaryEmbedding:
         """Per-head RMSNorm of q and k (Qwen3, Gemma 3), then the rotation."""
         return self(norm(q, q_weight, eps), norm(k, k_weight, eps), positions)
 
+    def rotate_into_cache(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,  # [N, bs, KVH, D]
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [T] int64
+        q_weight: torch.Tensor | None,  # per-head norms (both or neither)
+        k_weight: torch.Tensor | None,
+        eps: float,
+        norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    ) -> torch.Tensor:
+        """The rotated q; the rotated k and v stored at `slots` of the caches. (The Triton
+        path does this in one kernel; here it is the rotation, then the scatter.)"""
+        if q_weight is not None and k_weight is not None:
+            q, k = self.norm_rotate(q, k, positions, q_weight, k_weight, eps, norm)
+        else:
+            q, k = self(q, k, positions)
+        kvh, d = k.shape[1], k.shape[2]
+        k_cache.view(-1, kvh, d).index_copy_(0, slots, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, slots, v)
+        return q
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

@@ -18,7 +18,7 @@ from compute_plane.kernels.activation import silu_and_mul
 from compute_plane.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from compute_plane.kernels.prefill_attention import paged_prefill_attention
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
-from compute_plane.kernels.rotary import apply_rotary
+from compute_plane.kernels.rotary import apply_rotary, rotate_into_cache
 from compute_plane.model import ModelKernels
 from compute_plane.model_config import ModelConfig
 from compute_plane.rotary import RotaryEmbedding
@@ -59,6 +59,17 @@ class TritonPagedAttention:
         window: int | None = None,
     ) -> torch.Tensor:
         cache_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, window)
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k_cache: torch.Tensor,  # [N, bs, KVH, D], the step's K/V already written
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """`forward` without the KV write (the rotary kernel stored them: rotate_into_cache)."""
         lens = meta.seq_lens_tensor
         assert lens is not None, "prepare() first"
         q = q.contiguous()
@@ -99,6 +110,25 @@ class TritonRotaryEmbedding(RotaryEmbedding):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary(q, k, positions, self.cos, self.sin, q_weight, k_weight, eps)
 
+    def rotate_into_cache(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        q_weight: torch.Tensor | None,
+        k_weight: torch.Tensor | None,
+        eps: float,
+        norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor],
+    ) -> torch.Tensor:
+        return rotate_into_cache(
+            q, k, v, positions, self.cos, self.sin, k_cache, v_cache, slots, q_weight, k_weight,
+            eps,
+        )  # fmt: skip
+
 
 def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:
     """The Triton kernel set for a model of `cfg` on `device` (CUDA, or CPU when interpreted)."""
@@ -107,10 +137,12 @@ def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:
         if device.type == "cuda"
         else 0
     )
+    attention = TritonPagedAttention(cfg.scale, cfg.num_kv_heads, num_sms)
     return ModelKernels(
-        attention=TritonPagedAttention(cfg.scale, cfg.num_kv_heads, num_sms),
+        attention=attention,
         rms_norm=rms_norm,
         add_rms_norm=add_rms_norm,
         rotary=TritonRotaryEmbedding,
         silu_and_mul=silu_and_mul,
+        attend=attention.attend,
     )

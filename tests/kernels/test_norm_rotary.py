@@ -133,3 +133,60 @@ def test_silu_and_mul(inter: int, dtype: torch.dtype) -> None:
     torch_ops = (torch.nn.functional.silu(gate) * up).double()  # what the torch path computes
     rel = ((out.double() - torch_ops).abs() / torch_ops.abs().clamp_min(1e-3)).max().item()
     assert rel <= 4 * ULP[dtype], f"vs F.silu(gate) * up: relative {rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True], ids=["rotary", "norm+rotary"])
+@pytest.mark.parametrize(("h", "kvh", "d"), [(4, 2, 64), (7, 1, 80)])
+def test_rotate_into_cache(h: int, kvh: int, d: int, norm: bool, dtype: torch.dtype) -> None:
+    """The rotation storing k and v at their cache slots: the same values as the rotation
+    then the scatter (apply_rotary + write_kv, bit for bit), against the float64 formula
+    and a plain loop of slot writes; no other slot of either cache changes."""
+    from compute_plane.kernels.cache_ops import write_kv
+    from compute_plane.kernels.rotary import rotate_into_cache
+
+    t, bs, blocks = 5, 4, 6
+    rope = RotaryEmbedding(d, 64, 1e4, None, DEVICE, torch.float32)
+    cos, sin = rope.cos.to(dtype), rope.sin.to(dtype)
+    positions = torch.tensor([3, 0, 63, 17, 30], device=DEVICE)
+    qkv = _rand(t, (h + 2 * kvh) * d, seed=d + h + norm, dtype=dtype) * 2
+    q = qkv[:, : h * d].view(t, h, d)
+    k = qkv[:, h * d : (h + kvh) * d].view(t, kvh, d)
+    v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+    qw, kw = (
+        (_rand(d, seed=1, dtype=dtype), _rand(d, seed=2, dtype=dtype)) if norm else (None, None)
+    )
+    slots = torch.tensor([2 * bs + 3, 5 * bs, bs + 1, 0, 4 * bs + 2], device=DEVICE)
+    k_cache = _rand(blocks, bs, kvh, d, seed=5, dtype=dtype)
+    v_cache = _rand(blocks, bs, kvh, d, seed=6, dtype=dtype)
+    sep_kc, sep_vc = k_cache.clone(), v_cache.clone()
+    loop_kc, loop_vc = k_cache.clone(), v_cache.clone()
+
+    q_out = rotate_into_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots, qw, kw, 1e-6)
+    sep_q, sep_k = apply_rotary(q, k, positions, cos, sin, qw, kw, 1e-6)
+    write_kv(sep_k, v, sep_kc, sep_vc, slots)
+    assert torch.equal(q_out, sep_q)
+    assert torch.equal(k_cache, sep_kc) and torch.equal(v_cache, sep_vc)
+
+    c, s_ = cos[positions], sin[positions]
+    k_ref = _rotate64(_norm64(k, kw, 1e-6) if kw is not None else k, c, s_)
+    for i, slot in enumerate(slots.tolist()):
+        loop_kc[slot // bs, slot % bs] = k_ref[i].to(dtype)
+        loop_vc[slot // bs, slot % bs] = v[i]
+    assert torch.equal(v_cache, loop_vc)
+    written = torch.zeros(blocks * bs, dtype=torch.bool)
+    written[slots.cpu()] = True
+    flat_k, flat_loop = k_cache.view(-1, kvh, d), loop_kc.view(-1, kvh, d)
+    assert torch.equal(flat_k[~written.to(DEVICE)], flat_loop[~written.to(DEVICE)])
+    err = (flat_k[slots].double() - k_ref).abs().max().item()
+    assert err <= TOL[dtype] * 8, f"max abs error {err:.2e}"
+
+    # the torch path's RotaryEmbedding.rotate_into_cache (the rotation, then index_copy_)
+    torch_rope = RotaryEmbedding(d, 64, 1e4, None, DEVICE, dtype)
+    tq = torch_rope.rotate_into_cache(
+        q, k, v, positions, loop_kc, loop_vc, slots, qw, kw, 1e-6, rms_norm
+    )
+    assert torch.equal(loop_vc, v_cache)
+    for ours, ref in ((q_out, tq), (k_cache, loop_kc)):
+        err = (ours.double() - ref.double()).abs().max().item()
+        assert err <= TOL[dtype] * 8, f"vs the torch path: {err:.2e}"
