@@ -15,10 +15,11 @@ Three figures, each against what the hardware allows:
 3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
    EOS ignored, through `OfflineLLM` (scheduler + engine in one process), then through
    the path users deploy: a compute-plane process driven over gRPC by a control-plane
-   process, planning one step at a time and with `--async-scheduling`, and the latter
-   with the compute plane's overlapped steps off (`--overlap-steps off`)
-   (`paths.<in_process|grpc|grpc_async|grpc_async_no_overlap>.output_tok_s`, and each
-   gRPC path's ratio to in-process).
+   process with the default flags (on CUDA: async scheduling, overlapped steps), then
+   planning one step at a time (`--no-async-scheduling`), then with the compute plane's
+   overlapped steps off (`--overlap-steps off`)
+   (`paths.<in_process|grpc|grpc_one_step_at_a_time|grpc_no_overlap>.output_tok_s`, and
+   each gRPC path's ratio to in-process).
 4. **Quantized weights** (`--quantization fp8|int8`, [L]): the same model with its layer
    matrices in FP8 (`torch._scaled_mm`, activations per token) and weight-only INT8:
    in-process throughput on the same workload and the decode step at batch 1/64/256,
@@ -394,10 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.cuda.empty_cache()
     report["paths"] = {"in_process": {"output_tok_s": ours["output_tokens_per_s"]}}
     paths: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
-        ("grpc", (), ()),
-        ("grpc_async", ("--async-scheduling",), ()),
+        ("grpc", (), ()),  # the defaults: async scheduling and overlapped steps on CUDA
+        ("grpc_one_step_at_a_time", ("--no-async-scheduling",), ()),
         # the compute plane finishing each step before launching the next (as before [M])
-        ("grpc_async_no_overlap", ("--async-scheduling",), ("--overlap-steps", "off")),
+        ("grpc_no_overlap", (), ("--overlap-steps", "off")),
     ]
     for key, control, compute in paths:
         fig = run_grpc(str(folder), work, compute_args=compute, control_args=control)

@@ -177,8 +177,8 @@ def run_grpc(
         elapsed, counts = asyncio.run(main())
     assert counts == [r.output_len for r in work], "every request must produce its tokens"
     name = "ours, compute + control plane processes over gRPC"
-    if "--async-scheduling" in control_args:
-        name += ", async scheduling"
+    if control_args or compute_args:
+        name += ", " + " ".join((*control_args, *compute_args))
     return _figures(name, work, elapsed)
 
 

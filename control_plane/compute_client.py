@@ -49,6 +49,9 @@ class ComputeLink(Protocol):
     """
 
     address: str
+    # whether the compute plane runs a sent step while this process goes on (a separate
+    # process); unset --async-scheduling plans ahead only over such a link
+    concurrent: bool
 
     async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse: ...
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool: ...
@@ -61,6 +64,8 @@ class ComputeLink(Protocol):
 
 
 class ComputeClient:
+    concurrent = True
+
     def __init__(self, address: str, tls: ClientTLS | None = None, server_name: str = "") -> None:
         """`server_name`: the host name `address` was resolved from; TLS verifies the
         compute plane's certificate against it."""
@@ -142,6 +147,7 @@ class InProcessLink:
     """
 
     address = "in-process"
+    concurrent = False  # a step runs inside receive()
 
     def __init__(
         self,

@@ -81,13 +81,15 @@ class ControlConfig(GrpcServerConfig):
             "N > 1 cuts the per-token cost of streaming at high concurrency"
         },
     )
-    async_scheduling: bool = field(
-        default=False,
+    async_scheduling: bool | None = field(
+        default=None,
         metadata={
             "help": "plan and send each step before the previous one's result arrives, so the "
             "compute plane never waits for the control plane (EOS and max_tokens then end a "
             "request one step late; its extra token is dropped). Steps with grammar masks or "
-            "speculative proposals are still planned one at a time"
+            "speculative proposals are still planned one at a time. Unset: on for a compute "
+            "plane that runs on a GPU, off for one on a CPU (where its step is long beside "
+            "the round trip and the planes share the cores)"
         },
     )
     speculative: str | None = field(

@@ -80,6 +80,15 @@ class _LoopMetrics:
         self.labels = labels
 
 
+def plans_ahead(setting: bool | None, device: str, concurrent: bool) -> bool:
+    """Async scheduling for a compute plane on `device` ("cpu", "cuda:0"): as set, or
+    when unset, on for a GPU that runs its steps beside this process (`concurrent`: not
+    an in-process engine, which runs a step only when its result is asked for)."""
+    if setting is not None:
+        return setting
+    return concurrent and device.startswith("cuda")
+
+
 class ComputePlane:
     def __init__(self, engine: ControlEngine, link: ComputeLink) -> None:
         self.engine = engine
@@ -96,6 +105,9 @@ class ComputePlane:
         self._lost = False  # set by the watchdog when the compute plane stops answering
         self._lost_since = 0.0
         self._compute_draining = False  # the compute plane said so: start nothing new on it
+        # --async-scheduling, resolved at each attach (unset: on when the compute plane
+        # runs on a GPU, in another process)
+        self.async_scheduling = False
         self.leaving = False  # gone from the list of compute planes: hand requests over
         self.refused = False  # its last attach found another control plane driving it
         # Requests kept across a compute-plane failure, in re-admission order, with the
@@ -200,6 +212,9 @@ class ComputePlane:
             speculator=self._speculator(d),
         )
         self.description = d
+        self.async_scheduling = plans_ahead(
+            self.engine.config.async_scheduling, d.device, self.client.concurrent
+        )
         self.engine.grammars.bind(d.vocab_size, self.bounds().eos_token_ids)
         self._compute_draining = False
         self._readmit()
@@ -209,12 +224,15 @@ class ComputePlane:
         self.refused = False
         self.engine.plane_attached(self)
         log.info(
-            "attached compute plane %s: %s, %d blocks of %d, max_model_len %d",
+            "attached compute plane %s: %s on %s, %d blocks of %d, max_model_len %d, "
+            "async scheduling %s",
             self.address,
             d.model_name,
+            d.device,
             num_blocks,
             d.block_size,
             max_len,
+            "on" if self.async_scheduling else "off",
         )
 
     def _speculator(self, d: cpb.DescribeResponse) -> Speculator | None:
@@ -381,9 +399,7 @@ class ComputePlane:
                 t_encoded = time.time_ns()
                 (self._loop_metrics.steps_ahead if lookahead else self._loop_metrics.steps).inc()
                 in_flight.append(out)
-                ahead = self.engine.config.async_scheduling and (
-                    lookahead or self._may_look_ahead(sched)
-                )
+                ahead = self.async_scheduling and (lookahead or self._may_look_ahead(sched))
                 advanced.append(ahead)
                 try:
                     await self.client.send(step)
@@ -452,7 +468,7 @@ class ComputePlane:
         async scheduling is on, no lookahead step left a request short of blocks, and no
         request needs the tokens in flight to be planned (grammar masks, proposals)."""
         return (
-            self.engine.config.async_scheduling
+            self.async_scheduling
             and not sched.needs_sync
             and sched.speculator is None
             and not self._constrained
