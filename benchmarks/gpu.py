@@ -231,9 +231,10 @@ def _decode_graph_time(engine: Any, batch: int, ctx: int) -> float:
     return _time_cuda(graphs.graphs[size].replay, iters=30)
 
 
-def _graph_kernels(engine: Any, batch: int) -> int | None:
-    """Kernels one replay of the decode graph of `batch` runs (torch's profiler), or None
-    where the profiler does not see into graphs."""
+def _graph_kernels(engine: Any, batch: int) -> tuple[int | None, list[dict[str, Any]]]:
+    """Kernels one replay of the decode graph of `batch` runs (torch's profiler), and the
+    ten that take the most device time in it (name, launches, total µs); None and [] where
+    the profiler does not see into graphs."""
     graphs = engine.graphs
     size = next(b for b in graphs.sizes if b >= batch)
     try:
@@ -242,11 +243,19 @@ def _graph_kernels(engine: Any, batch: int) -> int | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             graphs.graphs[size].replay()
             torch.cuda.synchronize()
-        n = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        by_name: dict[str, list[float]] = {}
+        for e in kernels:
+            by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
     except Exception as e:  # (a profiler that cannot run here costs this figure only)
         print(f"kernel count unavailable: {e}", flush=True)
-        return None
-    return n or None
+        return None, []
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    times = [
+        {"kernel": name[:120], "launches": len(us), "total_us": round(sum(us), 1)}
+        for name, us in top
+    ]
+    return len(kernels) or None, times
 
 
 def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
@@ -263,6 +272,7 @@ def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
     for batch, ctx in ((1, 512), (64, 512), (256, 512)):
         t = _decode_graph_time(engine, batch, ctx)
         bound = (weight_bytes + batch * ctx * per_token_kv) / peak
+        count, top = _graph_kernels(engine, batch)
         rows.append(
             {
                 "batch": batch,
@@ -270,7 +280,8 @@ def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
                 "ms": round(t * 1e3, 3),
                 "memory_bound_ms": round(bound * 1e3, 3),
                 "of_memory_bound": round(bound / t, 3),
-                "kernels": _graph_kernels(engine, batch),
+                "kernels": count,
+                "kernel_times": top,  # where a replay's device time goes
             }
         )
         print(json.dumps(rows[-1]), flush=True)
