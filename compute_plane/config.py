@@ -60,6 +60,15 @@ class ComputeConfig(GrpcServerConfig):
         default=True,
         metadata={"help": "CUDA: replay decode steps from CUDA graphs captured at start-up"},
     )
+    fused_linear: str = field(
+        default="auto",
+        metadata={
+            "help": "Triton path: steps of at most 16 tokens run a layer's norms and SiLU "
+            "inside its projections' kernels (fewer launches for small batches): auto (on "
+            "CUDA, up to the row count where a timing at start-up finds them faster), on "
+            "(always), off"
+        },
+    )
     overlap_steps: str = field(
         default="auto",
         metadata={
@@ -123,6 +132,8 @@ class ComputeConfig(GrpcServerConfig):
             raise ValueError(
                 f"quantization must be auto, none, int8 or fp8, got {self.quantization!r}"
             )
+        if self.fused_linear not in ("auto", "on", "off"):
+            raise ValueError(f"fused_linear must be auto, on or off, got {self.fused_linear!r}")
         if self.overlap_steps not in ("auto", "on", "off"):
             raise ValueError(f"overlap_steps must be auto, on or off, got {self.overlap_steps!r}")
         if self.cpu_activations not in ("int16", "fp32"):

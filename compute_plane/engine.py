@@ -143,6 +143,9 @@ class Engine:
         self.max_model_len = min(self.model_max_len, (num_blocks - 1) * self.block_size)
         self.kv_cache = KVCache(cfg, num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
+        # µs per layer of the fused small-batch linears vs the separate kernels, by rows
+        # (timed at warm-up on CUDA: --fused-linear auto)
+        self.fused_linear_timings: list[dict[str, float]] = []
         self.graphs = (  # decode graphs need the Triton kernels: they make no host round trips
             DecodeGraphs(
                 self.model,
@@ -356,11 +359,43 @@ class Engine:
             block_size=self.block_size,
         )
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._choose_fused_rows()
         hidden = self.model.forward(zero, zero, meta, self.kv_cache.layers)
         self.model.logits(hidden)
         if self.graphs is not None:
             self.graphs.capture()
         _return_freed_memory()  # the caller has dropped the loaded weights by now
+
+    def _choose_fused_rows(self) -> None:
+        """Model.fused_rows per --fused-linear (before any decode graph is captured)."""
+        model, mode = self.model, self.config.fused_linear
+        layer = model.layers[0]
+        if model.fused_norm_linear is None or mode == "off":
+            return
+        from compute_plane.kernels import fused_linear
+
+        if mode == "on":
+            model.fused_rows = fused_linear.MAX_ROWS
+            return
+        dense = isinstance(layer.qkv, torch.Tensor) and isinstance(layer.gate_up, torch.Tensor)
+        if self.device.type != "cuda" or not dense:
+            return
+        down = layer.down if model.fused_silu_linear is not None else None
+        try:
+            model.fused_rows, self.fused_linear_timings = fused_linear.fused_rows_faster(
+                layer.input_norm,
+                [layer.qkv, layer.gate_up],  # type: ignore[list-item]
+                down if isinstance(down, torch.Tensor) else None,
+                self.model_config.rms_norm_eps,
+            )
+        except Exception:  # a kernel that fails to build or run here: the separate kernels
+            log.exception("the fused small-batch linears failed their timing; not used")
+            model.fused_rows = 0
+            return
+        log.info(
+            "fused small-batch linears for steps of at most %d tokens (µs per layer: %s)",
+            model.fused_rows, self.fused_linear_timings,
+        )  # fmt: skip
 
     def step(self, req: pb.StepRequest) -> pb.StepResult:
         """Run one step. Raises StepRejected (no state changed) for a malformed step; a

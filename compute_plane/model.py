@@ -93,6 +93,24 @@ class ModelKernels:
     rotary: type[RotaryEmbedding]
     # silu(gate) * up over the fused gate|up output in one kernel (None: torch's two ops)
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Small-batch linears with the op before them folded in (kernels/fused_linear.py):
+    # (linear(rms_norm(x + residual)) + bias, x + residual), and linear(silu(gate) * up);
+    # used for steps of at most Model.fused_rows tokens (None: the separate kernels)
+    norm_linear: (
+        Callable[
+            [
+                torch.Tensor,
+                torch.Tensor | None,
+                torch.Tensor,
+                float,
+                torch.Tensor,
+                torch.Tensor | None,
+            ],
+            tuple[torch.Tensor, torch.Tensor],
+        ]
+        | None
+    ) = None
+    silu_mul_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # Attention over the cache alone, the step's K/V stored there by the rotation
     # (`rotary.rotate_into_cache`: one kernel with the KV write on the Triton path);
     # None: rotation, then `attention.forward` writes K/V and attends.
@@ -231,6 +249,11 @@ class Model:
         )
         self.attention = kernels.attention
         self.attend = kernels.attend
+        self.fused_norm_linear = kernels.norm_linear
+        self.fused_silu_linear = kernels.silu_mul_linear if self.silu_and_mul else None
+        # Steps of at most this many tokens use the fused linears (0: never): chosen by the
+        # engine at start-up on CUDA, where they measure faster (fused_rows_faster).
+        self.fused_rows = 0
         self.norm = kernels.rms_norm
         self.add_norm = kernels.add_rms_norm
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -257,16 +280,23 @@ class Model:
         if self.embedding_scale is not None:
             h = h * self.embedding_scale
         eps = self.cfg.rms_norm_eps
+        small = input_ids.shape[0] <= self.fused_rows
         m = None  # the last MLP's output, added to the residual by the next norm
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, h = self._attention(layer, h, m, positions, meta, k_cache, v_cache)
-            gate_up = self.linear(x, layer.gate_up, None)
-            if self.silu_and_mul is not None:
-                act = self.silu_and_mul(gate_up)
+            gate_up, h = self._attention(layer, h, m, positions, meta, k_cache, v_cache, small)
+            if (
+                small
+                and self.fused_silu_linear is not None
+                and isinstance(layer.down, torch.Tensor)
+            ):
+                m = self.fused_silu_linear(gate_up, layer.down)
             else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = self.act(gate) * up
-            m = self.linear(act, layer.down, None)
+                if self.silu_and_mul is not None:
+                    act = self.silu_and_mul(gate_up)
+                else:
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    act = self.act(gate) * up
+                m = self.linear(act, layer.down, None)
             if layer.mlp_out_norm is not None:
                 m = self.norm(m, layer.mlp_out_norm, eps)
         if m is None:
@@ -282,16 +312,16 @@ class Model:
         meta: AttentionMetadata,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        small: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's attention block on the residual stream h (+ the last layer's MLP
-        output m, added in the input norm's kernel): (the MLP's normed input, the
-        residual stream)."""
+        output m, added in the input norm's kernel), and the MLP's gate|up projection:
+        (gate|up, the residual stream)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         if m is None:
-            x = self.norm(h, layer.input_norm, eps)
+            qkv, h = self._norm_linear(h, None, layer.input_norm, layer.qkv, layer.qkv_bias, small)
         else:
-            x, h = self.add_norm(m, h, layer.input_norm, eps)
-        qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+            qkv, h = self._norm_linear(m, h, layer.input_norm, layer.qkv, layer.qkv_bias, small)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -313,9 +343,30 @@ class Model:
             o = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.window)
         o = self.linear(o.reshape(-1, self.q_size), layer.o, None)
         if layer.attn_out_norm is None:
-            return self.add_norm(o, h, layer.mlp_norm, eps)
+            return self._norm_linear(o, h, layer.mlp_norm, layer.gate_up, None, small)
         h = h + self.norm(o, layer.attn_out_norm, eps)
-        return self.norm(h, layer.mlp_norm, eps), h
+        return self._norm_linear(h, None, layer.mlp_norm, layer.gate_up, None, small)
+
+    def _norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        weight: Weight,
+        bias: torch.Tensor | None,
+        small: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(x + residual)), x + residual); with no residual, x alone. One
+        kernel for a small step with a dense weight where the kernel set has it."""
+        eps = self.cfg.rms_norm_eps
+        fused = self.fused_norm_linear
+        if small and fused is not None and isinstance(weight, torch.Tensor):
+            return fused(x, residual, norm_weight, eps, weight, bias)
+        if residual is None:
+            normed, h = self.norm(x, norm_weight, eps), x
+        else:
+            normed, h = self.add_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias), h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     return out, ref
 
 
-def _engine(path: Path, backend: str, staged: bool = False) -> Engine:
+def _engine(path: Path, backend: str, staged: bool = False, fused_linear: str = "off") -> Engine:
     cfg = ComputeConfig(
         model=str(path),
         device=DEVICE.type,
@@ -83,8 +83,10 @@ def _engine(path: Path, backend: str, staged: bool = False) -> Engine:
         kv_cache_bytes=4 << 20,
         gpu_memory_utilization=0.05,  # on a GPU: a small pool, as on the CPU
         cuda_graphs=False,
+        fused_linear=fused_linear,
     )
     engine = Engine(cfg, load_model(path, progress=False))
+    engine.warmup()  # where the fused linears are switched on
     engine.capture_logits = True
     if staged:  # the GPU's input path: each step copied into device buffers, views of them
         engine.runner = ModelRunner(
@@ -120,10 +122,18 @@ def _drive(engine: Engine) -> dict[str, list[int]]:
     return {rid: list(st.token_ids) for rid, st in engine.requests.items()}
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["host-views", "staged"])
-def test_engine_logits_equal_the_torch_backend(tiny, staged: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("staged", "fused_linear"),
+    [(False, "off"), (True, "off"), (True, "on")],
+    ids=["host-views", "staged", "fused-linears"],
+)
+def test_engine_logits_equal_the_torch_backend(tiny, staged: bool, fused_linear: str) -> None:  # type: ignore[no-untyped-def]
+    """With fused linears on, every step here (at most 11 tokens) runs a layer's norms
+    and SiLU inside its projections' kernels (kernels/fused_linear.py)."""
     path, ref = tiny
-    triton_engine, torch_engine = _engine(path, "triton", staged), _engine(path, "torch")
+    triton_engine = _engine(path, "triton", staged, fused_linear)
+    torch_engine = _engine(path, "torch")
+    assert triton_engine.model.fused_rows == (16 if fused_linear == "on" else 0)
     assert triton_engine.describe().attention_backend == "triton"
     assert torch_engine.describe().attention_backend == "torch"
     tokens = _drive(triton_engine)

@@ -1,0 +1,90 @@
+"""The small-batch linears with their input's op folded in (kernels/fused_linear.py):
+against the separate kernels' rounded input (rms_norm / add_rms_norm, silu_and_mul) times
+the weight in float64, and the new residual bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.reference import DEVICE, DTYPES, ON_GPU
+
+pytest.importorskip("triton")
+
+from compute_plane.kernels.activation import silu_and_mul
+from compute_plane.kernels.fused_linear import norm_linear, silu_mul_linear
+from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
+
+# a dot of K terms in fp32 (or 16-bit products summed in fp32), rounded once to the dtype
+REL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def _rand(*shape: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def _check(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """out ≈ a @ w.T + b in float64, to the dtype's rounding of each output's magnitude."""
+    exact = a.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    scale = a.double().abs() @ w.double().abs().T + 1e-30
+    assert out.shape == exact.shape and out.dtype == a.dtype
+    rel = ((out.double() - exact).abs() / scale).max().item()
+    assert rel <= REL[a.dtype], f"error {rel:.2e} of the terms' magnitude"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize(("k", "n"), [(80, 100), (256, 320)])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add+norm"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_norm_linear(
+    rows: int, k: int, n: int, residual: bool, bias: bool, dtype: torch.dtype
+) -> None:
+    x = _rand(rows, k, seed=rows + k, dtype=dtype) * 3
+    r = _rand(rows, k, seed=7, dtype=dtype) if residual else None
+    g = _rand(k, seed=8, dtype=dtype)
+    w = _rand(n, k, seed=9, dtype=dtype) / k**0.5
+    b = _rand(n, seed=10, dtype=dtype) if bias else None
+    out, h = norm_linear(x, r, g, 1e-6, w, b)
+    if r is None:
+        normed, summed = rms_norm(x, g, 1e-6), x
+        assert h is x
+    else:
+        normed, summed = add_rms_norm(x, r, g, 1e-6)
+        assert torch.equal(h, summed), "the new residual stream, as add_rms_norm's"
+    _check(out, normed, w, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize(("inter", "n"), [(96, 64), (300, 130)])
+def test_silu_mul_linear(rows: int, inter: int, n: int, dtype: torch.dtype) -> None:
+    gate_up = _rand(rows, 2 * inter, seed=inter + rows, dtype=dtype) * 3
+    w = _rand(n, inter, seed=11, dtype=dtype) / inter**0.5
+    _check(silu_mul_linear(gate_up, w), silu_and_mul(gate_up), w, None)
+
+
+def test_more_rows_than_the_kernel_takes_is_refused() -> None:
+    x = torch.zeros(17, 8, device=DEVICE)
+    with pytest.raises(AssertionError, match="at most 16"):
+        norm_linear(x, None, torch.ones(8, device=DEVICE), 1e-6, torch.zeros(4, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=ON_GPU, id="cuda")])
+def test_fused_rows_faster_times_both_ways_on_a_gpu(_: None) -> None:
+    """The start-up choice (kernels captured in CUDA graphs): a row count it timed, with
+    the fused form faster at every count up to it."""
+    from compute_plane.kernels.fused_linear import fused_rows_faster
+
+    dtype, hidden, inter = torch.bfloat16, 256, 512
+    g = _rand(hidden, seed=1, dtype=dtype)
+    qkv, gate_up = (
+        _rand(384, hidden, seed=2, dtype=dtype),
+        _rand(2 * inter, hidden, seed=3, dtype=dtype),
+    )
+    down = _rand(hidden, inter, seed=4, dtype=dtype)
+    rows, timings = fused_rows_faster(g, [qkv, gate_up], down, 1e-6)
+    assert [t["rows"] for t in timings][: len(timings)] == [1, 2, 4, 8, 16][: len(timings)]
+    assert all(t["fused_us"] > 0 and t["separate_us"] > 0 for t in timings)
+    won = [t["rows"] for t in timings if t["fused_us"] < t["separate_us"]]
+    assert rows == (won[-1] if won and won == [1, 2, 4, 8, 16][: len(won)] else 0)
