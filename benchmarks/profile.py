@@ -51,7 +51,7 @@ async def _run(
     concurrency: int,
     output_len: int,
     compute_args: list[str],
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
 ) -> list[dict[str, int]]:
     from control_plane.config import ControlConfig
     from control_plane.engine import ControlEngine
@@ -198,7 +198,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--compute-arg", action="append", default=[], help="extra compute-plane flag")
     ap.add_argument(
-        "--async-scheduling", action="store_true", help="the control plane plans steps ahead"
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the control plane plans steps ahead (default: its own, on for a GPU)",
     )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/profile.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/perf/profile_timeline.png"))

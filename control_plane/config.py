@@ -88,8 +88,9 @@ class ControlConfig(GrpcServerConfig):
             "compute plane never waits for the control plane (EOS and max_tokens then end a "
             "request one step late; its extra token is dropped). Steps with grammar masks or "
             "speculative proposals are still planned one at a time. Unset: on for a compute "
-            "plane that runs on a GPU, off for one on a CPU (where its step is long beside "
-            "the round trip and the planes share the cores)"
+            "plane that runs on a GPU in another process, off for one on a CPU (where its "
+            "step is long beside the round trip and the planes share the cores) and for an "
+            "in-process engine"
         },
     )
     speculative: str | None = field(

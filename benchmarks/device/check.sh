@@ -31,7 +31,8 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     tests)
       # capped, so that a stage of first compiles that runs long leaves the benchmark time
-      timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/kernels \
+      # (SIGINT: pytest still prints what failed and its summary)
+      timeout -s INT -k 30 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/kernels \
         tests/compute/test_sampler.py tests/compute/test_scaled.py tests/compute/test_overlap.py \
         2>&1 | tee "$OUT/gpu-tests.log"
       rc=$((rc | PIPESTATUS[0]))

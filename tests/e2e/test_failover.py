@@ -49,7 +49,7 @@ def test_streams_survive_a_compute_plane_crash(async_scheduling: bool) -> None:
         compute,
         "--metrics-port",
         "0",
-        *(["--async-scheduling"] if async_scheduling else []),
+        "--async-scheduling" if async_scheduling else "--no-async-scheduling",
     ]
     with (
         child(compute_cmd, compute) as kproc,

@@ -33,8 +33,7 @@ def stack(request: pytest.FixtureRequest) -> Iterator[FullStack]:
     """Both ways of planning steps: with --async-scheduling a step is planned while the one
     before it runs (the tokens it samples for ended requests dropped)."""
     control = ("--max-model-len", str(MAX_MODEL_LEN))
-    if request.param == "async":
-        control += ("--async-scheduling",)
+    control += ("--async-scheduling",) if request.param == "async" else ("--no-async-scheduling",)
     with gateway_stack(("--kv-cache-bytes", str(64 << 20)), control) as s:
         yield s
 

@@ -78,8 +78,8 @@ def test_more_rows_than_the_kernel_takes_is_refused() -> None:
 @pytest.mark.parametrize("_", [pytest.param(None, marks=ON_GPU, id="cuda")])
 def test_fused_rows_faster_times_both_ways_on_a_gpu(_: None) -> None:
     """The start-up choice (kernels captured in CUDA graphs): a row count it timed, with
-    the fused form faster at every count up to it."""
-    from compute_plane.kernels.fused_linear import fused_rows_faster
+    the fused form clearly faster at every count up to it, and not at the next."""
+    from compute_plane.kernels.fused_linear import WIN, fused_rows_faster
 
     dtype, hidden, inter = torch.bfloat16, 256, 512
     g = _rand(hidden, seed=1, dtype=dtype)
@@ -89,7 +89,12 @@ def test_fused_rows_faster_times_both_ways_on_a_gpu(_: None) -> None:
     )
     down = _rand(hidden, inter, seed=4, dtype=dtype)
     rows, timings = fused_rows_faster(g, [qkv, gate_up], down, 1e-6)
-    assert [t["rows"] for t in timings][: len(timings)] == [1, 2, 4, 8, 16][: len(timings)]
+    sizes = [1, 2, 4, 8, 16]
+    assert [t["rows"] for t in timings] == sizes[: len(timings)]
     assert all(t["fused_us"] > 0 and t["separate_us"] > 0 for t in timings)
-    won = [t["rows"] for t in timings if t["fused_us"] < t["separate_us"]]
-    assert rows == (won[-1] if won and won == [1, 2, 4, 8, 16][: len(won)] else 0)
+    won = [t["fused_us"] <= WIN * t["separate_us"] for t in timings]
+    assert all(won[:-1]), "it stops at the first count where the fused form does not win"
+    if won[-1]:
+        assert len(timings) == len(sizes) and rows == sizes[-1]
+    else:
+        assert rows == (timings[-2]["rows"] if len(timings) > 1 else 0)
