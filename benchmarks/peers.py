@@ -71,6 +71,7 @@ async def batch_one(
         "ttft_ms": statistics.median(1e3 * (s.ttft or 0) for s in measured),
         "decode_tokens_per_s": statistics.median(decode_tps(s) for s in measured),
         "itl_p50_ms": 1e3 * statistics.median(gaps) if gaps else None,
+        "itl_mean_ms": 1e3 * statistics.fmean(gaps) if gaps else None,
         "output_tokens": _tokens(measured[0]),
     }
 

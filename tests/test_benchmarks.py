@@ -179,8 +179,10 @@ def test_peers_side_by_side_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     for server in report["servers"].values():
         one, many = server["quiet"]["batch_1"], server["quiet"]["concurrent_24"]
         assert one["output_tokens"] == 6 and one["decode_tokens_per_s"] > 0
-        # The compute plane's own mean decode step: part of the gap between two tokens.
-        assert 0 < one["compute_decode_step_ms"] < one["itl_p50_ms"]
+        # The compute plane's own mean decode step: part of each gap between two tokens
+        # (each gap holds one decode step), so below their mean; a median can sit under a
+        # mean that one slow step raised.
+        assert 0 < one["compute_decode_step_ms"] < one["itl_mean_ms"]
         assert many["errors"] == 0 and many["requests"] == 3
         assert 3 * 4 <= many["output_tokens"] <= 3 * 8
 

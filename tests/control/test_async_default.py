@@ -16,12 +16,11 @@ from compute_plane.loader import load_model
 from control_plane.compute_client import InProcessLink
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
-from control_plane.outputs import GenerateStream
 from control_plane.plane import plans_ahead
 from control_plane.tokenizer import load_tokenizer
-from hetero_common.accumulate import Accumulated
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
+from tests.control.streams import stream_tokens
 
 PROMPTS = [[504, 3458, 281], [1812, 314, 253, 3360, 28], [2710, 42, 33, 17]]
 PARAMS = pb.GenerationParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -46,15 +45,6 @@ class _Link(InProcessLink):
         return self.engine.step(step)
 
 
-async def _tokens(stream: GenerateStream) -> list[int]:
-    acc = Accumulated()
-    while True:
-        item = await stream.queue.get()
-        assert not isinstance(item, BaseException), item
-        if acc.add(item):
-            return acc.choice(0).token_ids
-
-
 async def _run(path: Path, setting: bool | None, device: str, concurrent: bool):  # type: ignore[no-untyped-def]
     engine = Engine(
         ComputeConfig(model=str(path), kv_cache_bytes=16 << 20, metrics_port=-1),
@@ -67,7 +57,7 @@ async def _run(path: Path, setting: bool | None, device: str, concurrent: bool):
     try:
         await control.attached.wait()
         streams = [control.submit(p, PARAMS, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
-        return await asyncio.gather(*map(_tokens, streams)), link.behind
+        return await asyncio.gather(*map(stream_tokens, streams)), link.behind
     finally:
         await control.stop()
 

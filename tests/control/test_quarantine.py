@@ -5,6 +5,7 @@ tokens it gets when nothing crashes (the bundled model, greedy)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,25 +16,14 @@ from compute_plane.loader import load_model
 from control_plane.compute_client import ComputeLinkError, InProcessLink
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine, RequestFailed
-from control_plane.outputs import GenerateStream
 from control_plane.tokenizer import load_tokenizer
-from hetero_common.accumulate import Accumulated
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
+from tests.control.streams import stream_tokens
 
 PROMPTS = {"a": [504, 3458, 281], "b": [1812, 314, 253, 3360, 28], "c": [2710, 42, 33, 17]}
 POISON = [9, 8, 7, 6]
 PARAMS = pb.GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-async def _tokens(stream: GenerateStream) -> list[int] | BaseException:
-    acc = Accumulated()
-    while True:
-        item = await stream.queue.get()
-        if isinstance(item, BaseException):
-            return item
-        if acc.add(item):
-            return acc.choice(0).token_ids
 
 
 async def _run(path: Path, poison: bool) -> tuple[dict[str, list[int] | BaseException], int]:
@@ -65,7 +55,13 @@ async def _run(path: Path, poison: bool) -> tuple[dict[str, list[int] | BaseExce
         if poison:
             streams["poison"] = control.submit(POISON, PARAMS, request_id="poison")
         results = dict(
-            zip(streams, await asyncio.gather(*map(_tokens, streams.values())), strict=True)
+            zip(
+                streams,
+                await asyncio.gather(
+                    *map(functools.partial(stream_tokens, errors=True), streams.values())
+                ),
+                strict=True,
+            )
         )
         return results, crashes
     finally:

@@ -18,24 +18,14 @@ from compute_plane.loader import load_model
 from control_plane.compute_client import InProcessLink
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
-from control_plane.outputs import GenerateStream
 from control_plane.tokenizer import load_tokenizer
-from hetero_common.accumulate import Accumulated
 from hetero_proto import control_pb2 as pb
 from tests.conftest import hf_greedy, make_tiny_model
+from tests.control.streams import stream_tokens
 
 BS = 4
 PROMPTS = {"a": [5, 17, 99, 3, 42, 8, 250, 31, 64, 12], "b": [7, 7, 200, 9, 13, 180, 4, 77, 6, 90]}
 PARAMS = pb.GenerationParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-
-
-async def _tokens(stream: GenerateStream) -> list[int]:
-    acc = Accumulated()
-    while True:
-        item = await stream.queue.get()
-        assert not isinstance(item, BaseException), item
-        if acc.add(item):
-            return acc.choice(0).token_ids
 
 
 async def _run(path: Path, tokenizer_path: Path) -> tuple[dict[str, list[int]], int, int]:
@@ -53,7 +43,7 @@ async def _run(path: Path, tokenizer_path: Path) -> tuple[dict[str, list[int]], 
     try:
         await control.attached.wait()
         streams = {rid: control.submit(p, PARAMS, request_id=rid) for rid, p in PROMPTS.items()}
-        got = await asyncio.gather(*map(_tokens, streams.values()))
+        got = await asyncio.gather(*map(stream_tokens, streams.values()))
         return (
             dict(zip(streams, got, strict=True)),
             control.scheduler.num_preemptions,
