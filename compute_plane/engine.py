@@ -388,8 +388,8 @@ class Engine:
                 down if isinstance(down, torch.Tensor) else None,
                 self.model_config.rms_norm_eps,
             )
-        except Exception:  # a kernel that fails to build or run here: the separate kernels
-            log.exception("the fused small-batch linears failed their timing; not used")
+        except Exception:  # a kernel that fails to build, run or agree here: the separate ones
+            log.exception("the fused small-batch linears failed their start-up check; not used")
             model.fused_rows = 0
             return
         log.info(

@@ -38,6 +38,7 @@ from compute_plane.kernels import interpreted
 
 MAX_ROWS = 16
 WIN = 0.9  # the fused form is used where it takes at most this share of the separate's time
+AGREE = 0.02  # its outputs' largest difference from the separate's, of their largest value
 
 
 @triton.jit
@@ -221,8 +222,10 @@ def _layer_ops(
     after_norm: list[torch.Tensor],
     down: torch.Tensor | None,
     eps: float,
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """One layer's norms and projections on `rows` random rows: fused, and separate."""
+) -> tuple[Callable[[], list[torch.Tensor]], Callable[[], list[torch.Tensor]]]:
+    """One layer's norms and projections on `rows` random rows, fused and separate: each
+    gives its outputs (per projection after a norm, the product and the new residual; the
+    down projection's product)."""
     from compute_plane.kernels.activation import silu_and_mul
     from compute_plane.kernels.rms_norm import add_rms_norm
 
@@ -231,19 +234,33 @@ def _layer_ops(
     x, r = (torch.randn(rows, hidden, device=dev, generator=g).to(dtype) for _ in range(2))
     gu = None if down is None else torch.randn(rows, 2 * down.shape[1], device=dev).to(dtype)
 
-    def fused() -> None:
-        for w in after_norm:
-            norm_linear(x, r, norm_weight, eps, w)
+    def fused() -> list[torch.Tensor]:
+        outs = [t for w in after_norm for t in norm_linear(x, r, norm_weight, eps, w)]
         if down is not None and gu is not None:
-            silu_mul_linear(gu, down)
+            outs.append(silu_mul_linear(gu, down))
+        return outs
 
-    def separate() -> None:
+    def separate() -> list[torch.Tensor]:
+        outs = []
         for w in after_norm:
-            torch.nn.functional.linear(add_rms_norm(x, r, norm_weight, eps)[0], w)
+            normed, summed = add_rms_norm(x, r, norm_weight, eps)
+            outs += [torch.nn.functional.linear(normed, w), summed]
         if down is not None and gu is not None:
-            torch.nn.functional.linear(silu_and_mul(gu), down)
+            outs.append(torch.nn.functional.linear(silu_and_mul(gu), down))
+        return outs
 
     return fused, separate
+
+
+def agree(fused: list[torch.Tensor], separate: list[torch.Tensor]) -> bool:
+    """The fused outputs equal the separate ones to rounding: each within AGREE of the
+    largest magnitude of its counterpart (sums in another order differ by a few ulp; a
+    kernel miscompiled for this GPU differs by far more)."""
+    return len(fused) == len(separate) and all(
+        a.shape == b.shape
+        and bool(((a.float() - b.float()).abs().max() <= AGREE * b.float().abs().max()).item())
+        for a, b in zip(fused, separate, strict=True)
+    )
 
 
 def fused_rows_faster(
@@ -256,10 +273,15 @@ def fused_rows_faster(
     """The most rows up to which one layer's fused linears take at most WIN of the time of
     its separate kernels (add_rms_norm / silu_and_mul, then torch's matmul), both timed
     inside CUDA graphs on these weights (median of 3) at each row count of `sizes` in
-    turn; 0 where they do not at the first. With the timings (µs per layer, each way)."""
+    turn; 0 where they do not at the first. With the timings (µs per layer, each way).
+    Raises if the two disagree beyond rounding (`agree`) at a row count."""
     best, timings = 0, []
     for rows in sizes:
         fused, separate = _layer_ops(rows, norm_weight, after_norm, down, eps)
+        if not agree(fused(), separate()):
+            raise RuntimeError(
+                f"the fused linears disagree with the separate kernels ({rows} rows)"
+            )
         f = statistics.median(_graph_us(fused) for _ in range(3))
         s = statistics.median(_graph_us(separate) for _ in range(3))
         timings.append({"rows": rows, "fused_us": round(f, 2), "separate_us": round(s, 2)})

@@ -75,6 +75,27 @@ def test_more_rows_than_the_kernel_takes_is_refused() -> None:
         norm_linear(x, None, torch.ones(8, device=DEVICE), 1e-6, torch.zeros(4, 8, device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_start_up_check_of_agreement(dtype: torch.dtype) -> None:
+    """What the start-up choice checks before it times (a kernel miscompiled for the GPU
+    must not be chosen): one layer's fused and separate outputs agree here, and a product
+    off by one part in ten, or a new residual off by one value, does not."""
+    from compute_plane.kernels.fused_linear import _layer_ops, agree
+
+    hidden, inter = 96, 160
+    g = _rand(hidden, seed=1, dtype=dtype)
+    qkv = _rand(144, hidden, seed=2, dtype=dtype) / hidden**0.5
+    gate_up = _rand(2 * inter, hidden, seed=3, dtype=dtype) / hidden**0.5
+    down = _rand(hidden, inter, seed=4, dtype=dtype) / inter**0.5
+    fused, separate = _layer_ops(5, g, [qkv, gate_up], down, 1e-6)
+    ours, theirs = fused(), separate()
+    assert len(ours) == 5 and agree(ours, theirs)
+    assert not agree([*ours[:4], ours[4] * 1.1], theirs)
+    bent = ours[1].clone()
+    bent[2, 7] += 1.0  # the new residual stream
+    assert not agree([ours[0], bent, *ours[2:]], theirs)
+
+
 @pytest.mark.parametrize("_", [pytest.param(None, marks=ON_GPU, id="cuda")])
 def test_fused_rows_faster_times_both_ways_on_a_gpu(_: None) -> None:
     """The start-up choice (kernels captured in CUDA graphs): a row count it timed, with
