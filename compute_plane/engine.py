@@ -377,16 +377,16 @@ class Engine:
         if mode == "on":
             model.fused_rows = fused_linear.MAX_ROWS
             return
-        dense = isinstance(layer.qkv, torch.Tensor) and isinstance(layer.gate_up, torch.Tensor)
-        if self.device.type != "cuda" or not dense:
+        qkv, gate_up = layer.qkv, layer.gate_up
+        if self.device.type != "cuda" or not isinstance(qkv, torch.Tensor):
             return
-        down = layer.down if model.fused_silu_linear is not None else None
+        if not isinstance(gate_up, torch.Tensor):  # FP8/INT8 weights keep their own kernels
+            return
+        w = layer.down  # fused with SiLU·up where the model has it and the weight is dense
+        down = w if isinstance(w, torch.Tensor) and model.fused_silu_linear is not None else None
         try:
             model.fused_rows, self.fused_linear_timings = fused_linear.fused_rows_faster(
-                layer.input_norm,
-                [layer.qkv, layer.gate_up],  # type: ignore[list-item]
-                down if isinstance(down, torch.Tensor) else None,
-                self.model_config.rms_norm_eps,
+                layer.input_norm, [qkv, gate_up], down, self.model_config.rms_norm_eps
             )
         except Exception:  # a kernel that fails to build, run or agree here: the separate ones
             log.exception("the fused small-batch linears failed their start-up check; not used")

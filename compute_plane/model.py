@@ -318,10 +318,8 @@ class Model:
         output m, added in the input norm's kernel), and the MLP's gate|up projection:
         (gate|up, the residual stream)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
-        if m is None:
-            qkv, h = self._norm_linear(h, None, layer.input_norm, layer.qkv, layer.qkv_bias, small)
-        else:
-            qkv, h = self._norm_linear(m, h, layer.input_norm, layer.qkv, layer.qkv_bias, small)
+        x, residual = (h, None) if m is None else (m, h)
+        qkv, h = self._norm_linear(x, residual, layer.input_norm, layer.qkv, layer.qkv_bias, small)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
