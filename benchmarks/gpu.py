@@ -3,7 +3,7 @@
     python -m benchmarks.gpu                       # writes docs/perf/gpu.json
     python -m benchmarks.gpu --hf                  # also HF transformers generate, same workload
 
-Three figures, each against what the hardware allows:
+Four parts, each against what the hardware allows:
 
 1. **Decode attention kernel**: bytes of K/V it must read / its time, against the
    device-to-device copy bandwidth measured in the same run (the practical peak).
@@ -11,7 +11,8 @@ Three figures, each against what the hardware allows:
    cores), and on fp32 copies as before ([M]) (`prefill_kernel`).
 2. **Model decode step** (CUDA graph replay, batch 1, 64 and 256): its time against
    (weight bytes + K/V bytes) / copy bandwidth, the least a memory-bound step can take,
-   and the kernels a replay runs (`kernels`, from torch's profiler).
+   and the kernels a replay runs (`kernels`, from torch's profiler); also with the LM
+   head and a greedy choice after the replay (`with_logits_ms`), as a step runs them.
 3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
    EOS ignored, through `OfflineLLM` (scheduler + engine in one process), then through
    the path users deploy: a compute-plane process driven over gRPC by a control-plane
@@ -27,6 +28,10 @@ Three figures, each against what the hardware allows:
    of 64 tokens, then 16 more one a step) against bf16's: max abs difference over the max |logit|, the
    stated tolerance being 0.1 for fp8 and 0.02 for int8 (`logits_ok`).
 
+The parts run in that order (`--parts`, 4 being `quantized`); the report is written after
+each, and one that raises is recorded under `errors` while the next runs, so one call on
+a lent GPU keeps all it could measure.
+
 The model is randomly initialised with Qwen3-0.6B's shape (28 layers, hidden 1024,
 16 query / 8 KV heads of 128, vocabulary 151936, tied embeddings), written as a
 safetensors folder with a word-level tokenizer of the same vocabulary, so nothing
@@ -39,7 +44,9 @@ import argparse
 import functools
 import gc
 import json
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +122,10 @@ def write_random_model(
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
     return folder
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
 
 
 def _time_cuda(fn: Any, iters: int = 50, warmup: int = 5) -> float:
@@ -215,8 +226,9 @@ def prefill_kernel() -> list[dict[str, Any]]:
     return rows
 
 
-def _decode_graph_time(engine: Any, batch: int, ctx: int) -> float:
-    """Seconds per replay of the decode graph of `batch`, each sequence `ctx` tokens long."""
+def _decode_graph_time(engine: Any, batch: int, ctx: int, logits: bool = False) -> float:
+    """Seconds per replay of the decode graph of `batch`, each sequence `ctx` tokens long
+    (`logits`: with the LM head and a greedy choice after it, as a step runs them)."""
     graphs = engine.graphs
     assert graphs is not None, "CUDA graphs are off"
     size = next(b for b in graphs.sizes if b >= batch)
@@ -228,7 +240,14 @@ def _decode_graph_time(engine: Any, batch: int, ctx: int) -> float:
     graphs.seq_lens[:size].fill_(ctx)
     graphs.positions[:size].fill_(ctx - 1)
     graphs.slots[:size].copy_(tables[:, -1].long() * engine.block_size)
-    return _time_cuda(graphs.graphs[size].replay, iters=30)
+    if not logits:
+        return _time_cuda(graphs.graphs[size].replay, iters=30)
+
+    def step() -> None:
+        graphs.graphs[size].replay()
+        engine.model.logits(graphs.outputs[size][:batch]).argmax(-1)
+
+    return _time_cuda(step, iters=30)
 
 
 def _graph_kernels(engine: Any, batch: int) -> tuple[int | None, list[dict[str, Any]]]:
@@ -271,6 +290,7 @@ def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
     rows = []
     for batch, ctx in ((1, 512), (64, 512), (256, 512)):
         t = _decode_graph_time(engine, batch, ctx)
+        with_logits = _decode_graph_time(engine, batch, ctx, logits=True)
         bound = (weight_bytes + batch * ctx * per_token_kv) / peak
         count, top = _graph_kernels(engine, batch)
         rows.append(
@@ -280,6 +300,8 @@ def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
                 "ms": round(t * 1e3, 3),
                 "memory_bound_ms": round(bound * 1e3, 3),
                 "of_memory_bound": round(bound / t, 3),
+                # the graph, then the LM head (eager) and a greedy argmax
+                "with_logits_ms": round(with_logits * 1e3, 3),
                 "kernels": count,
                 "kernel_times": top,  # where a replay's device time goes
             }
@@ -295,17 +317,26 @@ def _prompt_logits(engine: Any, vocab: int) -> torch.Tensor:
     """Logits at each position of a fixed 80-token sequence: its first 64 tokens in one
     step, then one token a step (the shape of decode steps), the same tokens whatever
     the weights (greedy choices would part ways on near-ties of random weights)."""
-    from tests.compute.step_driver import StepDriver
+    from hetero_proto import compute_pb2 as pb
 
     engine.capture_logits = True
-    drv = StepDriver(engine.num_blocks, engine.block_size, seed=0)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(100, vocab, (80,), generator=gen).tolist()
-    engine.step(drv.step(new=[drv.new("probe", tokens, 64)]))
-    for _ in range(16):
-        engine.step(drv.step(cont=[drv.cont("probe", 1)]))
+    blocks = list(range(1, 1 + -(-len(tokens) // engine.block_size)))  # all of them up front
+    first = pb.StepRequest(step_id=1)
+    first.new_requests.add(
+        request_id="probe",
+        token_ids=tokens,
+        num_prompt_tokens=len(tokens),
+        num_scheduled_tokens=64,
+        block_ids=blocks,
+        sampling=pb.SamplingParams(temperature=0.0),
+    )
+    engine.step(first)
+    for k in range(16):  # the prompt's next token each step, as a one-token continuation
+        engine.step(pb.StepRequest(step_id=2 + k, decode_ids=["probe"]))
     logits = torch.cat(engine.captured_logits.pop("probe")).float().cpu()
-    engine.step(drv.step(finished=["probe"]))
+    engine.step(pb.StepRequest(step_id=18, finished_ids=["probe"]))
     engine.capture_logits = False
     return logits
 
@@ -352,6 +383,23 @@ def quantized(folder: Path, work: Any, peak: float, kinds: list[str]) -> dict[st
     return out
 
 
+GRPC_PATHS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
+    ("grpc", (), ()),  # the defaults: async scheduling and overlapped steps on CUDA
+    ("grpc_one_step_at_a_time", ("--no-async-scheduling",), ()),
+    # the compute plane finishing each step before launching the next (as before [M])
+    ("grpc_no_overlap", (), ("--overlap-steps", "off")),
+]
+# The parts, in the order they run, and what each measures: keys of the report, of its
+# `paths` and `throughput`, and of `errors` (a part that raised), all dropped when the
+# part runs again.
+PARTS = {
+    "kernels": ("decode_kernel", "prefill_kernel", "kernels"),
+    "engine": ("engine_start_s", "engine", "decode_step", "in_process"),
+    "grpc": tuple(key for key, _, _ in GRPC_PATHS),
+    "quantized": ("quantized",),
+}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/qwen3-0.6b-random"))
@@ -361,81 +409,141 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("docs/perf/gpu.json"))
     ap.add_argument("--quantizations", default="fp8,int8", help="compared with bf16 ('' to skip)")
+    ap.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="which to run, always in this order (a subset updates the report at --out in\n"
+        "place):\n"
+        "kernels (attention kernels, copy bandwidth), engine (decode steps, throughput in\n"
+        "process), grpc (the gRPC paths), quantized (FP8/INT8 against bf16)",
+    )
+    ap.add_argument(
+        "--path-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one gRPC path may take, start-up included (a hung path is recorded\n"
+        "as an error and the next one runs)",
+    )
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    parts = [p for p in args.parts.split(",") if p]
+    if unknown := sorted(set(parts) - set(PARTS)):
+        ap.error(f"--parts: unknown {', '.join(unknown)} (known: {', '.join(PARTS)})")
+    if not cuda():
         raise SystemExit("benchmarks.gpu needs a CUDA device")
     from benchmarks.offline import run_grpc, run_hf, run_ours
     from hetero_infer.offline import OfflineLLM
 
-    report: dict[str, Any] = {"benchmark": "gpu", "machine": machine()}
+    report: dict[str, Any] = {}
+    if set(parts) != set(PARTS) and args.out.is_file():  # a subset: update the last report
+        report = json.loads(args.out.read_text())
+    report |= {"benchmark": "gpu", "machine": machine()}
+    if not isinstance(report.get("throughput"), dict):  # (a list before 2026-11-26)
+        report["throughput"] = {}
+    errors: dict[str, str] = report.setdefault("errors", {})
+    paths: dict[str, Any] = report.setdefault("paths", {})
+    throughput: dict[str, Any] = report.setdefault("throughput", {})  # each path's figures
+    for key in (k for p in parts for k in PARTS[p]):  # this run's parts measure afresh
+        for d in (report, errors, paths, throughput):
+            d.pop(key, None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after each part, so a cut-short run keeps what it measured
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
+    def failed(part: str) -> None:
+        """A part that raised: its error in the report, and the run goes on."""
+        traceback.print_exc()
+        errors[part] = "".join(traceback.format_exception_only(*sys.exc_info()[:2])).strip()
+        save()
+
     peak = copy_bandwidth()
     report["copy_bandwidth_GB_per_s"] = round(peak / 1e9, 1)
     print(f"device-to-device copy: {peak / 1e9:.0f} GB/s", flush=True)
-    report["decode_kernel"] = kernel_bandwidth(peak)
-    report["prefill_kernel"] = prefill_kernel()
-    save()
+    if "kernels" in parts:
+        try:
+            report["decode_kernel"] = kernel_bandwidth(peak)
+            report["prefill_kernel"] = prefill_kernel()
+        except Exception:
+            failed("kernels")
+        save()
 
     folder = write_random_model(args.model_dir)
-    started = time.perf_counter()
-    llm = OfflineLLM(str(folder))
-    report["engine_start_s"] = round(time.perf_counter() - started, 1)
-    desc = llm.engine.describe()
-    report["engine"] = {
-        "dtype": desc.dtype,
-        "attention_backend": desc.attention_backend,
-        "num_kv_blocks": desc.num_kv_blocks,
-        "block_size": desc.block_size,
-        "cuda_graphs": llm.engine.graphs is not None,
-        # steps of at most this many tokens run the fused small-batch linears (the
-        # start-up timing of one layer each way, µs, in fused_linear_timings)
-        "fused_rows": llm.engine.model.fused_rows,
-        "fused_linear_timings": llm.engine.fused_linear_timings,
-    }
-    report["decode_step"] = step_times(llm.engine, peak)
-    save()
-
     work = make_workload(PRESETS[args.preset], args.seed, vocab=(100, 150000))
     report["workload"] = preset_dict(PRESETS[args.preset]) | {"seed": args.seed}
-    ours = run_ours(llm, work)
-    report["throughput"] = [ours]
-    print(json.dumps(ours), flush=True)
-    save()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-    report["paths"] = {"in_process": {"output_tok_s": ours["output_tokens_per_s"]}}
-    paths: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
-        ("grpc", (), ()),  # the defaults: async scheduling and overlapped steps on CUDA
-        ("grpc_one_step_at_a_time", ("--no-async-scheduling",), ()),
-        # the compute plane finishing each step before launching the next (as before [M])
-        ("grpc_no_overlap", (), ("--overlap-steps", "off")),
-    ]
-    for key, control, compute in paths:
-        fig = run_grpc(str(folder), work, compute_args=compute, control_args=control)
-        report["throughput"].append(fig)
-        report["paths"][key] = {
-            "output_tok_s": fig["output_tokens_per_s"],
-            "vs_in_process": round(fig["output_tokens_per_s"] / ours["output_tokens_per_s"], 3),
-        }
-        print(json.dumps(fig), flush=True)
-        save()
-    if args.quantizations:
-        report["quantized"] = quantized(folder, work, peak, args.quantizations.split(","))
+    if "engine" in parts:
+        llm = None
+        try:
+            started = time.perf_counter()
+            llm = OfflineLLM(str(folder))
+            report["engine_start_s"] = round(time.perf_counter() - started, 1)
+            desc = llm.engine.describe()
+            report["engine"] = {
+                "dtype": desc.dtype,
+                "attention_backend": desc.attention_backend,
+                "num_kv_blocks": desc.num_kv_blocks,
+                "block_size": desc.block_size,
+                "cuda_graphs": llm.engine.graphs is not None,
+                # steps of at most this many tokens run the fused small-batch linears (the
+                # start-up timing of one layer each way, µs, in fused_linear_timings)
+                "fused_rows": llm.engine.model.fused_rows,
+                "fused_linear_timings": llm.engine.fused_linear_timings,
+            }
+            save()
+        except Exception:
+            failed("engine")
+        if llm is not None:
+            try:
+                report["decode_step"] = step_times(llm.engine, peak)
+            except Exception:
+                failed("decode_step")
+            save()
+            try:
+                ours = run_ours(llm, work)
+                throughput["in_process"] = ours
+                paths["in_process"] = {"output_tok_s": ours["output_tokens_per_s"]}
+                print(json.dumps(ours), flush=True)
+            except Exception:
+                failed("in_process")
+            save()
+        llm = None  # its KV cache holds most of the GPU: free before the planes start
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "grpc" in parts:
+        for key, control, compute in GRPC_PATHS:
+            try:
+                fig = run_grpc(
+                    str(folder), work, compute_args=compute, control_args=control,
+                    quiet=False, timeout=args.path_timeout,
+                )  # fmt: skip
+            except Exception:
+                failed(key)
+                continue
+            throughput[key] = fig
+            paths[key] = {"output_tok_s": fig["output_tokens_per_s"]}
+            if "in_process" in paths:
+                ratio = fig["output_tokens_per_s"] / paths["in_process"]["output_tok_s"]
+                paths[key]["vs_in_process"] = round(ratio, 3)
+            print(json.dumps(fig), flush=True)
+            save()
+    if "quantized" in parts and args.quantizations:
+        try:
+            report["quantized"] = quantized(folder, work, peak, args.quantizations.split(","))
+        except Exception:
+            failed("quantized")
         save()
     if args.hf:
         hf = run_hf(str(folder), work, args.hf_batch_size)
-        report["throughput"].append(hf)
-        report["ours_vs_hf"] = round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
+        throughput["hf"] = hf
+        if "in_process" in paths:
+            ratio = paths["in_process"]["output_tok_s"] / hf["output_tokens_per_s"]
+            report["ours_vs_hf"] = round(ratio, 2)
         print(json.dumps(hf), flush=True)
+    if not errors:
+        del report["errors"]
     save()
-    print(f"report: {args.out}")
+    print(f"report: {args.out}" + (f" (errors in {', '.join(errors)})" if errors else ""))
     return report
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main().get("errors") else 0)

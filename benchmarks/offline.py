@@ -135,20 +135,26 @@ def run_grpc(
     compute_args: tuple[str, ...] = (),
     control_args: tuple[str, ...] = (),
     num_compute: int = 1,
+    quiet: bool = True,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """The workload through the path users deploy: a compute plane and a control plane,
     each its own process, and this process calling the control plane's gRPC `Generate`
     for every request at once (token-id prompts, greedy, EOS ignored). No gateway: the
     figure is the two planes' and their gRPC hop's. `num_compute`: compute planes behind
-    the control plane (data parallel)."""
+    the control plane (data parallel). `quiet`: the planes' logs are dropped (else they
+    go to this process's stdout and stderr). `timeout`: seconds from the call by which
+    the workload must have finished (TimeoutError, the planes stopped)."""
     import grpc
 
     from hetero_infer.local import local_planes
     from hetero_proto import control_pb2 as pb
     from hetero_proto import control_pb2_grpc as pb_grpc
 
+    called = time.perf_counter()
     with local_planes(
         model,
+        quiet=quiet,
         extra_compute=compute_args,
         extra_control=control_args,
         metrics_ports=(-1, -1),
@@ -171,7 +177,11 @@ def run_grpc(
 
                 await one(Request(work[0].prompt[:8], 2))  # warm-up
                 start = time.perf_counter()
-                counts = await asyncio.gather(*(one(r) for r in work))
+                left = None if timeout is None else timeout - (start - called)
+                try:
+                    counts = await asyncio.wait_for(asyncio.gather(*(one(r) for r in work)), left)
+                except TimeoutError:
+                    raise TimeoutError(f"the workload did not finish within {timeout} s") from None
                 return time.perf_counter() - start, list(counts)
 
         elapsed, counts = asyncio.run(main())

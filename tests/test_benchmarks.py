@@ -52,6 +52,65 @@ def test_grpc_path_tiny(control_args: tuple[str, ...]) -> None:
     assert ("async" in fig["system"]) == bool(control_args)
 
 
+def test_grpc_path_timeout() -> None:
+    """A gRPC path that does not finish in its time raises TimeoutError, and its planes
+    are stopped (benchmarks.gpu records it and runs the next path)."""
+    import psutil
+
+    work = make_workload(PRESETS["tiny"], seed=1)
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises(TimeoutError, match=r"did not finish within 0\.5 s"):
+        offline.run_grpc(str(bundled_gguf()), work, timeout=0.5)  # the start-up alone takes more
+    assert {c.pid for c in psutil.Process().children(recursive=True)} == before
+
+
+def test_gpu_benchmark_parts_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks.gpu's run order on the CPU (its CUDA timings stubbed, a tiny model in
+    Qwen3's vocabulary): a part that raises, and a gRPC path whose compute plane cannot
+    start, are recorded in `errors` while the other parts still run; a run of one part
+    updates the report in place. On a lent GPU one call holds the whole benchmark, so one
+    failure must not cost the rest."""
+    from benchmarks import gpu
+
+    tiny = gpu.QWEN3_0_6B | {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    }  # fmt: skip
+    model = gpu.write_random_model(tmp_path / "model", tiny, device="cpu")
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("no decode graphs here")
+
+    monkeypatch.setattr(gpu, "cuda", lambda: True)
+    monkeypatch.setattr(gpu, "machine", lambda: {"cpu": "test"})
+    monkeypatch.setattr(gpu, "copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(gpu, "kernel_bandwidth", lambda peak: [{"batch": 1}])
+    monkeypatch.setattr(gpu, "prefill_kernel", lambda: [{"chunks": 1}])
+    monkeypatch.setattr(gpu, "step_times", broken)
+    paths = [("grpc", (), ()), ("grpc_no_overlap", (), ("--no-such-flag",))]
+    monkeypatch.setattr(gpu, "GRPC_PATHS", paths)
+    out = tmp_path / "gpu.json"
+    common = ["--model-dir", str(model), "--preset", "tiny", "--out", str(out)]
+    report = gpu.main([*common, "--parts", "kernels,engine,grpc"])
+    work = make_workload(PRESETS["tiny"], 0, vocab=(100, 150000))
+    useful = sum(r.output_len for r in work)
+    assert set(report["errors"]) == {"decode_step", "grpc_no_overlap"}, report["errors"]
+    assert "no decode graphs here" in report["errors"]["decode_step"]
+    assert set(report["paths"]) == {"in_process", "grpc"}
+    assert set(report["throughput"]) == {"in_process", "grpc"}
+    for fig in report["throughput"].values():
+        assert fig["useful_output_tokens"] == useful
+    assert report["paths"]["grpc"]["vs_in_process"] > 0
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))  # as saved
+
+    monkeypatch.setattr(gpu, "step_times", lambda engine, peak: [{"batch": 1}])
+    again = gpu.main([*common, "--parts", "engine"])  # the other parts' figures stay
+    assert set(again["errors"]) == {"grpc_no_overlap"}
+    assert again["decode_step"] == [{"batch": 1}]
+    assert again["paths"]["grpc"] == report["paths"]["grpc"]
+    assert again["decode_kernel"] == [{"batch": 1}]
+
+
 def test_online_load_generator_tiny(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plots need the bench extra (matplotlib)")
     out = tmp_path / "online.json"

@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
 # Run THERE (a lent GPU machine), from the repository root, in one device call:
 #
-#   run(carry=[".whl"], timeout_s=590,
+#   run(carry=[".whl"], timeout_s=540,
 #       command="bash benchmarks/device/check.sh all")
 #
-# after benchmarks/device/wheels.sh has filled .whl/ here. Stages (one argument each, in
-# order; `all` = tests bench):
+# after benchmarks/device/wheels.sh has filled .whl/ here. A session's device time (15
+# minutes, the machine's start included) holds one such call, so the stages run in the
+# order of what #23 needs most: `all` = bench tests quant.
+#   bench   python -m benchmarks.gpu --parts kernels,engine,grpc: the attention kernels,
+#           the decode steps, the 256-request workload in process and over gRPC
+#           (the acceptance figures), into $OUT/gpu.json, to copy to docs/perf/gpu.json
 #   tests   the kernel tests on the GPU (tests/kernels: every kernel, bf16 too, the engine on
 #           the Triton path with its staged inputs, CUDA graphs), sampling, FP8/INT8 and
 #           overlapped steps on CUDA (the other folders import packages the image lacks)
-#   bench   python -m benchmarks.gpu (kernels, decode steps, the 256-request workload in
-#           process and over gRPC, FP8/INT8): $OUT/gpu.json, to copy to docs/perf/gpu.json
-# Logs and reports land in $OUT (they come back); the stages share the time limit, so a
-# stage that runs out leaves what it had written (the tests stage stops after
-# $TESTS_TIMEOUT seconds, 240 unless set).
+#   quant   python -m benchmarks.gpu --parts quantized: FP8/INT8 against bf16, added to
+#           $OUT/gpu.json
+# Logs and reports land in $OUT (they come back, also from a call stopped at its limit).
+# gpu.json is written after each part, and a part that fails is recorded in its `errors`
+# while the next one runs; the tests stage stops after $TESTS_TIMEOUT seconds (180
+# unless set).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp/out}"
@@ -25,20 +30,27 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 stages=("$@")
-[ "${stages[0]:-all}" = all ] && stages=(tests bench)
+[ "${stages[0]:-all}" = all ] && stages=(bench tests quant)
 rc=0
 for stage in "${stages[@]}"; do
   case "$stage" in
     tests)
-      # capped, so that a stage of first compiles that runs long leaves the benchmark time
+      # capped, so that a stage of first compiles that runs long leaves quant its time
       # (SIGINT: pytest still prints what failed and its summary)
-      timeout -s INT -k 30 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider tests/kernels \
+      timeout -s INT -k 30 "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider tests/kernels \
         tests/compute/test_sampler.py tests/compute/test_scaled.py tests/compute/test_overlap.py \
         2>&1 | tee "$OUT/gpu-tests.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     bench)
-      python3 -m benchmarks.gpu --out "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu-bench.log"
+      python3 -m benchmarks.gpu --parts kernels,engine,grpc --path-timeout 150 \
+        --out "$OUT/gpu.json" 2>&1 \
+        | tee "$OUT/gpu-bench.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    quant)
+      python3 -m benchmarks.gpu --parts quantized --out "$OUT/gpu.json" 2>&1 \
+        | tee "$OUT/gpu-quant.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
