@@ -128,6 +128,11 @@ def cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def free_memory_gb() -> float:
+    """GPU memory free now, GB (what a compute plane started now can size its KV pool in)."""
+    return round(torch.cuda.mem_get_info()[0] / 1e9, 1)
+
+
 def _time_cuda(fn: Any, iters: int = 50, warmup: int = 5) -> float:
     """Mean seconds per call, by CUDA events around `iters` back-to-back calls."""
     for _ in range(warmup):
@@ -395,7 +400,7 @@ GRPC_PATHS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
 PARTS = {
     "kernels": ("decode_kernel", "prefill_kernel", "kernels"),
     "engine": ("engine_start_s", "engine", "decode_step", "in_process"),
-    "grpc": tuple(key for key, _, _ in GRPC_PATHS),
+    "grpc": (*(key for key, _, _ in GRPC_PATHS), "free_memory_GB_before_grpc"),
     "quantized": ("quantized",),
 }
 
@@ -509,6 +514,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gc.collect()
         torch.cuda.empty_cache()
     if "grpc" in parts:
+        # (the in-process engine's memory must be back: the planes size their pools by it)
+        report["free_memory_GB_before_grpc"] = free_memory_gb()
         for key, control, compute in GRPC_PATHS:
             try:
                 fig = run_grpc(

@@ -86,6 +86,7 @@ def test_gpu_benchmark_parts_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(gpu, "copy_bandwidth", lambda: 1e12)
     monkeypatch.setattr(gpu, "kernel_bandwidth", lambda peak: [{"batch": 1}])
     monkeypatch.setattr(gpu, "prefill_kernel", lambda: [{"chunks": 1}])
+    monkeypatch.setattr(gpu, "free_memory_gb", lambda: 1.0)
     monkeypatch.setattr(gpu, "step_times", broken)
     paths = [("grpc", (), ()), ("grpc_no_overlap", (), ("--no-such-flag",))]
     monkeypatch.setattr(gpu, "GRPC_PATHS", paths)
