@@ -47,6 +47,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -346,46 +347,68 @@ def _prompt_logits(engine: Any, vocab: int) -> torch.Tensor:
     return logits
 
 
-def quantized(folder: Path, work: Any, peak: float, kinds: list[str]) -> dict[str, Any]:
-    """Each of `kinds` against bf16 on the same model: throughput, decode steps, logits."""
+def quantized(
+    folder: Path,
+    work: Any,
+    peak: float,
+    kinds: list[str],
+    out: dict[str, Any],
+    save: Callable[[], None],
+) -> None:
+    """Each of `kinds` against bf16 on the same model: throughput, decode steps, logits,
+    into `out`, `save`d after each kind; a kind that raises is recorded as its `error`
+    (and where bf16 does, the others have nothing to be compared with)."""
+    base: dict[str, Any] = {}
+    for kind in ["none", *kinds]:
+        key = "bf16" if kind == "none" else kind
+        try:
+            out[key] = _quantized_kind(folder, work, peak, kind, base)
+        except Exception:
+            traceback.print_exc()
+            out[key] = {"error": _error_line()}
+        gc.collect()
+        torch.cuda.empty_cache()
+        save()
+        if not base:
+            return
+
+
+def _quantized_kind(
+    folder: Path, work: Any, peak: float, kind: str, base: dict[str, Any]
+) -> dict[str, Any]:
+    """One kind's row; bf16's ("none") also fills `base`, which the others compare with."""
     from benchmarks.offline import run_ours
     from compute_plane.config import ComputeConfig
     from hetero_infer.offline import OfflineLLM
 
-    out: dict[str, Any] = {}
-    base: dict[str, Any] = {}
-    for kind in ["none", *kinds]:
-        compute = ComputeConfig(model=str(folder), metrics_port=-1, quantization=kind)
-        llm = OfflineLLM(str(folder), compute=compute)
-        vocab = llm.engine.model_config.vocab_size
-        logits = _prompt_logits(llm.engine, vocab)
-        fig = run_ours(llm, work)
-        row: dict[str, Any] = {
-            "weight_bytes": llm.engine.model.weight_bytes,
-            "output_tok_s": fig["output_tokens_per_s"],
-            "decode_step": step_times(llm.engine, peak),
+    compute = ComputeConfig(model=str(folder), metrics_port=-1, quantization=kind)
+    llm = OfflineLLM(str(folder), compute=compute)
+    logits = _prompt_logits(llm.engine, llm.engine.model_config.vocab_size)
+    fig = run_ours(llm, work)
+    row: dict[str, Any] = {
+        "weight_bytes": llm.engine.model.weight_bytes,
+        "output_tok_s": fig["output_tokens_per_s"],
+        "decode_step": step_times(llm.engine, peak),
+    }
+    if kind == "none":
+        base |= {"logits": logits, **row}
+    else:
+        diff = (logits - base["logits"]).abs().max().item()
+        rel = diff / base["logits"].abs().max().item()
+        row |= {
+            "vs_bf16": round(row["output_tok_s"] / base["output_tok_s"], 3),
+            "logits_max_abs_diff": round(diff, 4),
+            "logits_diff_of_max": round(rel, 4),
+            "logits_ok": rel <= STATED_LOGIT_TOLERANCE[kind],
+            "greedy_agree": float((logits.argmax(-1) == base["logits"].argmax(-1)).float().mean()),
         }
-        if kind == "none":
-            base = {"logits": logits, **row}
-            out["bf16"] = row
-        else:
-            diff = (logits - base["logits"]).abs().max().item()
-            rel = diff / base["logits"].abs().max().item()
-            row |= {
-                "vs_bf16": round(row["output_tok_s"] / base["output_tok_s"], 3),
-                "logits_max_abs_diff": round(diff, 4),
-                "logits_diff_of_max": round(rel, 4),
-                "logits_ok": rel <= STATED_LOGIT_TOLERANCE[kind],
-                "greedy_agree": float(
-                    (logits.argmax(-1) == base["logits"].argmax(-1)).float().mean()
-                ),
-            }
-            out[kind] = row
-        print(kind, json.dumps({k: v for k, v in row.items() if k != "decode_step"}), flush=True)
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
-    return out
+    print(kind, json.dumps({k: v for k, v in row.items() if k != "decode_step"}), flush=True)
+    return row
+
+
+def _error_line() -> str:
+    """The exception being handled, as its last traceback line."""
+    return "".join(traceback.format_exception_only(*sys.exc_info()[:2])).strip()
 
 
 GRPC_PATHS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
@@ -458,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def failed(part: str) -> None:
         """A part that raised: its error in the report, and the run goes on."""
         traceback.print_exc()
-        errors[part] = "".join(traceback.format_exception_only(*sys.exc_info()[:2])).strip()
+        errors[part] = _error_line()
         save()
 
     peak = copy_bandwidth()
@@ -533,11 +556,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps(fig), flush=True)
             save()
     if "quantized" in parts and args.quantizations:
-        try:
-            report["quantized"] = quantized(folder, work, peak, args.quantizations.split(","))
-        except Exception:
-            failed("quantized")
-        save()
+        report["quantized"] = {}
+        quantized(folder, work, peak, args.quantizations.split(","), report["quantized"], save)
+        if failed_kinds := [k for k, row in report["quantized"].items() if "error" in row]:
+            errors["quantized"] = f"see quantized.<{'|'.join(failed_kinds)}>.error"
     if args.hf:
         hf = run_hf(str(folder), work, args.hf_batch_size)
         throughput["hf"] = hf

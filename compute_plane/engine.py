@@ -460,6 +460,7 @@ class Engine:
             launched.prompt_logprobs = None
         if launched.timing is not None:
             (start, mid, end), kind = launched.timing
+            end.synchronize()  # (returns at once: the samples' copy, after it, has ended)
             result.forward_ns = int(start.elapsed_time(mid) * 1e6)
             result.sample_ns = int(mid.elapsed_time(end) * 1e6)
             seconds = (result.forward_ns + result.sample_ns) / 1e9

@@ -377,11 +377,14 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(rows, hidden)
         mid = self._timing_event() if start is not None else None
         t1 = time.perf_counter_ns()
-        sampled = deferred = None
+        sampled = deferred = end = None
         if x.sample_rows:
             samples = self._sample(x.sample_rows, self.model.logits(hidden[x.sample_index]))
+            keep = defer and not any(r.draft for r in x.sample_rows)
+            if keep and mid is not None:  # before the copy, so that the copy's event (what
+                end = self._timing_event()  # `finish` waits for) implies it has completed
             samples.copy_to_host()
-            if defer and not any(r.draft for r in x.sample_rows):
+            if keep:
                 deferred = samples
                 self._unsettled.append((samples.token_ids, [r.request_id for r in x.sample_rows]))
             else:
@@ -391,7 +394,6 @@ class ModelRunner:
         out = StepOutput(
             sampled, n, t1 - t0, t2 - t1, every, prompt_lps, t0 - tp, x.sample_rows, deferred
         )
-        end = self._timing_event() if deferred is not None and mid is not None else None
         if start is not None and mid is not None and end is not None:
             out.device_times = (start, mid, end)
         return out

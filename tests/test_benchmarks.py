@@ -105,11 +105,15 @@ def test_gpu_benchmark_parts_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))  # as saved
 
     monkeypatch.setattr(gpu, "step_times", lambda engine, peak: [{"batch": 1}])
-    again = gpu.main([*common, "--parts", "engine"])  # the other parts' figures stay
-    assert set(again["errors"]) == {"grpc_no_overlap"}
+    # the other parts' figures stay; int8 runs, bf16 beside it; a kind that fails is its own
+    again = gpu.main([*common, "--parts", "engine,quantized", "--quantizations", "int8,int3"])
+    assert set(again["errors"]) == {"grpc_no_overlap", "quantized"}
     assert again["decode_step"] == [{"batch": 1}]
     assert again["paths"]["grpc"] == report["paths"]["grpc"]
     assert again["decode_kernel"] == [{"batch": 1}]
+    assert set(again["quantized"]) == {"bf16", "int8", "int3"}
+    assert again["quantized"]["int8"]["logits_ok"] is True
+    assert "int3" in again["quantized"]["int3"]["error"]
 
 
 def test_online_load_generator_tiny(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
 """Hand-built steps for driving the compute engine without a control plane.
 
 Block ids are handed out from a shuffled pool so that a request's blocks are
-neither contiguous nor in order, as they are in a long-running server.
+neither contiguous nor in order, as they are in a long-running server. The pool is the
+engine's first POOL blocks at most: on a GPU the engine sizes its pool from free memory
+(millions of a tiny model's blocks), and a list of them all takes seconds to shuffle.
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import random
 from hetero_proto import compute_pb2 as pb
 
 GREEDY = pb.SamplingParams(temperature=0.0)
+POOL = 1 << 20
 
 
 class StepDriver:
     def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
         self.block_size = block_size
-        self.free = list(range(1, num_blocks))
+        self.free = list(range(1, min(num_blocks, POOL)))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}  # tokens whose slots are allocated

@@ -41,7 +41,7 @@ def engine(tmp_path_factory) -> Engine:  # type: ignore[no-untyped-def]
     out: Path = tmp_path_factory.mktemp("tiny")
     make_tiny_model("llama", out)
     config = ComputeConfig(
-        model=str(out), block_size=4, kv_cache_bytes=8 << 20, gpu_memory_utilization=0.2
+        model=str(out), block_size=4, kv_cache_bytes=8 << 20, gpu_memory_utilization=0.05
     )
     e = Engine(config, load_model(out, progress=False))
     e.capture_logits = True

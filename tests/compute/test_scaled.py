@@ -116,7 +116,7 @@ def test_an_fp8_checkpoint_stays_fp8_bit_for_bit(tmp_path: Path, layout: str) ->
 def _logits(path: Path, quantization: str, dtype: str) -> tuple[Engine, torch.Tensor, list[int]]:
     cfg = ComputeConfig(
         model=str(path), block_size=4, kv_cache_bytes=64 << 20, quantization=quantization,
-        dtype=dtype,
+        dtype=dtype, gpu_memory_utilization=0.05,  # on a GPU: a small pool, as on the CPU
     )  # fmt: skip
     engine = Engine(cfg, load_for(cfg, path))
     engine.capture_logits = True
@@ -127,7 +127,7 @@ def _logits(path: Path, quantization: str, dtype: str) -> tuple[Engine, torch.Te
     engine.step(drv.step(cont=[drv.cont("r", 4)]))
     for _ in range(5):
         engine.step(drv.step(cont=[drv.cont("r", 1)]))
-    logits = torch.cat(engine.captured_logits["r"]).float()
+    logits = torch.cat(engine.captured_logits["r"]).float().cpu()  # (beside transformers')
     return engine, logits, engine.requests["r"].token_ids[: len(logits)]
 
 
