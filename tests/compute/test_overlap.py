@@ -157,3 +157,40 @@ def test_a_step_whose_samples_a_reset_dropped_answers_aborted(engine: Engine) ->
     engine.reset()
     result = engine.finish(launched)
     assert result.error.code == "ABORTED" and not result.sampled_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_step_launches_behind_the_running_one_without_a_host_sync(
+    tmp_path: Path,
+) -> None:
+    """On CUDA, launching a decode step while the last one computes syncs nothing with the
+    host: its inputs go through the staged buffers, its tokens are gathered from the last
+    step's samples on the device, and the graph replays behind it. A blocking copy, an
+    `.item()` or a `.tolist()` on the way would wait for the running step, and the
+    overlap would be gone (torch's sync debug mode raises on each)."""
+    make_tiny_model("llama", tmp_path)
+    config = ComputeConfig(model=str(tmp_path), block_size=4, gpu_memory_utilization=0.05)
+    engine = Engine(config, load_model(tmp_path, progress=False))
+    engine.warmup()  # autotunes and captures the decode graphs (both sync)
+    assert engine.overlap and engine.graphs is not None
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=9)
+    rids = [f"g{i}" for i in range(5)]
+    engine.step(drv.step(new=[drv.new(r, [3 + 7 * i + j for j in range(6)], 6)
+                              for i, r in enumerate(rids)]))  # fmt: skip
+    prev = engine.launch(drv.step(cont=[drv.cont(r, 1) for r in rids]))
+    results = []
+    for k in range(12):
+        step = drv.step(cont=[drv.cont(r, 1) for r in rids])
+        strict = k >= 3  # (the first ones meet their shapes: Triton may compile)
+        torch.cuda.set_sync_debug_mode("error" if strict else "default")
+        try:
+            pending = [rid for rid in rids if engine.requests[rid].token_ids[-1] == PENDING]
+            launched = engine.launch(step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert pending == rids, "each decode row's input is the running step's sample"
+        results.append(engine.finish(prev))
+        prev = launched
+    results.append(engine.finish(prev))
+    assert all(sorted(r.sampled_ids) == rids for r in results)
