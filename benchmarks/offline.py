@@ -159,7 +159,8 @@ def run_grpc(
     figure is the two planes' and their gRPC hop's. `num_compute`: compute planes behind
     the control plane (data parallel). `quiet`: the planes' logs are dropped (else they
     go to this process's stdout and stderr). `timeout`: seconds from the call by which
-    the workload must have finished (TimeoutError, the planes stopped)."""
+    the planes must be serving and the workload finished (TimeoutError, the planes
+    stopped)."""
     import grpc
 
     from hetero_infer.local import local_planes
@@ -174,6 +175,7 @@ def run_grpc(
         extra_control=control_args,
         metrics_ports=(-1, -1),
         num_compute=num_compute,
+        start_timeout=300.0 if timeout is None else timeout,
     ) as control:
 
         async def main() -> tuple[float, list[int]]:

@@ -65,8 +65,10 @@ def child(
     address: str,
     quiet: bool = False,
     credentials: grpc.ChannelCredentials | None = None,
+    timeout: float = 300.0,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """`hetero-infer ARGS` as a child process; yielded once its gRPC health is SERVING."""
+    """`hetero-infer ARGS` as a child process; yielded once its gRPC health is SERVING
+    (TimeoutError, the process stopped, if it is not within `timeout` seconds)."""
     out = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "hetero_infer.cli", *args],
@@ -75,7 +77,7 @@ def child(
         env=dict(os.environ),
     )
     try:
-        wait_serving(address, proc, credentials=credentials)
+        wait_serving(address, proc, timeout=timeout, credentials=credentials)
         yield proc
     finally:
         stop_process(proc)
@@ -90,6 +92,7 @@ def local_planes(
     log_args: tuple[str, ...] = (),
     extra_control: tuple[str, ...] = (),
     num_compute: int = 1,
+    start_timeout: float = 300.0,
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports; yields the control plane address.
 
@@ -97,7 +100,8 @@ def local_planes(
     logs it; -1: none); default: free ones. With several compute planes (`num_compute`,
     data parallel behind the one control plane) the others pick their own, and each
     gets an equal share of this process's CPUs unless extra_compute sets --num-threads.
-    log_args: --log-level / --log-format flags for both.
+    log_args: --log-level / --log-format flags for both. start_timeout: seconds for all of
+    them to be serving (TimeoutError, each stopped).
     """
     if num_compute < 1:
         raise ValueError(f"--compute-planes must be at least 1, not {num_compute}")
@@ -112,15 +116,19 @@ def local_planes(
     if num_compute > 1 and not any(a.startswith("--num-threads") for a in extra_compute):
         share = max(1, len(os.sched_getaffinity(0)) // num_compute)
         threads = ("--num-threads", str(share))
+    deadline = time.monotonic() + start_timeout
+
+    def left() -> float:
+        return max(0.0, deadline - time.monotonic())
+
     with contextlib.ExitStack() as stack:
         for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):
             port = kmetrics if i == 0 or kmetrics <= 0 else 0
             args = ["compute-plane", *log_args, "--model", model, "--port", str(kport)]
             args += ["--metrics-port", str(port), *threads, *extra_compute]
-            stack.enter_context(child(args, compute, quiet))
-        stack.enter_context(
-            child([*control_args, "--metrics-port", str(cmetrics), *extra_control], control, quiet)
-        )
+            stack.enter_context(child(args, compute, quiet, timeout=left()))
+        args = [*control_args, "--metrics-port", str(cmetrics), *extra_control]
+        stack.enter_context(child(args, control, quiet, timeout=left()))
         yield control
 
 

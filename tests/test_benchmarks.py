@@ -53,14 +53,14 @@ def test_grpc_path_tiny(control_args: tuple[str, ...]) -> None:
 
 
 def test_grpc_path_timeout() -> None:
-    """A gRPC path that does not finish in its time raises TimeoutError, and its planes
-    are stopped (benchmarks.gpu records it and runs the next path)."""
+    """A gRPC path whose planes are not serving within its time raises TimeoutError, and
+    they are stopped (benchmarks.gpu records it and runs the next path)."""
     import psutil
 
     work = make_workload(PRESETS["tiny"], seed=1)
     before = {c.pid for c in psutil.Process().children(recursive=True)}
-    with pytest.raises(TimeoutError, match=r"did not finish within 0\.5 s"):
-        offline.run_grpc(str(bundled_gguf()), work, timeout=0.5)  # the start-up alone takes more
+    with pytest.raises(TimeoutError, match="not serving"):
+        offline.run_grpc(str(bundled_gguf()), work, timeout=0.5)  # the start-up takes more
     assert {c.pid for c in psutil.Process().children(recursive=True)} == before
 
 

@@ -17,8 +17,8 @@
 #           $OUT/gpu.json
 # Logs and reports land in $OUT (they come back, also from a call stopped at its limit).
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
-# while the next one runs; the tests stage stops after $TESTS_TIMEOUT seconds (180
-# unless set).
+# while the next one runs; the bench stage stops after $BENCH_TIMEOUT seconds (420 unless
+# set), the tests stage after $TESTS_TIMEOUT (180).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp/out}"
@@ -43,8 +43,10 @@ for stage in "${stages[@]}"; do
       rc=$((rc | PIPESTATUS[0]))
       ;;
     bench)
-      python3 -m benchmarks.gpu --parts kernels,engine,grpc --path-timeout 150 \
-        --out "$OUT/gpu.json" 2>&1 \
+      # capped too (a hang in this process would hold the call to its end), and each
+      # gRPC path within --path-timeout
+      timeout -s INT -k 30 "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.gpu \
+        --parts kernels,engine,grpc --path-timeout 150 --out "$OUT/gpu.json" 2>&1 \
         | tee "$OUT/gpu-bench.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;

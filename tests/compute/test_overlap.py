@@ -168,7 +168,8 @@ def test_a_decode_step_launches_behind_the_running_one_without_a_host_sync(
     host: its inputs go through the staged buffers, its tokens are gathered from the last
     step's samples on the device, and the graph replays behind it. A blocking copy, an
     `.item()` or a `.tolist()` on the way would wait for the running step, and the
-    overlap would be gone (torch's sync debug mode raises on each)."""
+    overlap would be gone (torch's sync debug mode raises on each; it does not see an
+    event's synchronize, which launch uses only to reuse the last step's pinned inputs)."""
     make_tiny_model("llama", tmp_path)
     config = ComputeConfig(model=str(tmp_path), block_size=4, gpu_memory_utilization=0.05)
     engine = Engine(config, load_model(tmp_path, progress=False))
