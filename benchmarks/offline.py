@@ -175,7 +175,7 @@ def run_grpc(
         extra_control=control_args,
         metrics_ports=(-1, -1),
         num_compute=num_compute,
-        start_timeout=300.0 if timeout is None else timeout,
+        start_timeout=timeout,
     ) as control:
 
         async def main() -> tuple[float, list[int]]:

@@ -92,7 +92,7 @@ def local_planes(
     log_args: tuple[str, ...] = (),
     extra_control: tuple[str, ...] = (),
     num_compute: int = 1,
-    start_timeout: float = 300.0,
+    start_timeout: float | None = None,
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports; yields the control plane address.
 
@@ -101,7 +101,7 @@ def local_planes(
     data parallel behind the one control plane) the others pick their own, and each
     gets an equal share of this process's CPUs unless extra_compute sets --num-threads.
     log_args: --log-level / --log-format flags for both. start_timeout: seconds for all of
-    them to be serving (TimeoutError, each stopped).
+    them to be serving (TimeoutError, each stopped); default: 300 for each.
     """
     if num_compute < 1:
         raise ValueError(f"--compute-planes must be at least 1, not {num_compute}")
@@ -116,10 +116,10 @@ def local_planes(
     if num_compute > 1 and not any(a.startswith("--num-threads") for a in extra_compute):
         share = max(1, len(os.sched_getaffinity(0)) // num_compute)
         threads = ("--num-threads", str(share))
-    deadline = time.monotonic() + start_timeout
+    deadline = None if start_timeout is None else time.monotonic() + start_timeout
 
     def left() -> float:
-        return max(0.0, deadline - time.monotonic())
+        return 300.0 if deadline is None else max(0.0, deadline - time.monotonic())
 
     with contextlib.ExitStack() as stack:
         for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):
