@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+START_TIMEOUT = 300.0  # seconds a plane may take to be serving, unless told otherwise
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -24,7 +26,7 @@ def free_port() -> int:
 def wait_serving(
     address: str,
     proc: subprocess.Popen[bytes],
-    timeout: float = 300.0,
+    timeout: float = START_TIMEOUT,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> None:
     """Poll grpc.health.v1 until SERVING; raise if the process dies first."""
@@ -65,7 +67,7 @@ def child(
     address: str,
     quiet: bool = False,
     credentials: grpc.ChannelCredentials | None = None,
-    timeout: float = 300.0,
+    timeout: float = START_TIMEOUT,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`hetero-infer ARGS` as a child process; yielded once its gRPC health is SERVING
     (TimeoutError, the process stopped, if it is not within `timeout` seconds)."""
@@ -101,7 +103,7 @@ def local_planes(
     data parallel behind the one control plane) the others pick their own, and each
     gets an equal share of this process's CPUs unless extra_compute sets --num-threads.
     log_args: --log-level / --log-format flags for both. start_timeout: seconds for all of
-    them to be serving (TimeoutError, each stopped); default: 300 for each.
+    them to be serving (TimeoutError, each stopped); default: START_TIMEOUT for each.
     """
     if num_compute < 1:
         raise ValueError(f"--compute-planes must be at least 1, not {num_compute}")
@@ -119,7 +121,7 @@ def local_planes(
     deadline = None if start_timeout is None else time.monotonic() + start_timeout
 
     def left() -> float:
-        return 300.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        return START_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
 
     with contextlib.ExitStack() as stack:
         for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):
@@ -135,7 +137,7 @@ def local_planes(
 def wait_http_ready(
     url: str,
     proc: subprocess.Popen[bytes],
-    timeout: float = 300.0,
+    timeout: float = START_TIMEOUT,
     stopping: Callable[[], bool] = lambda: False,
 ) -> bool:
     """Wait until `url` answers 200 (True), or `stopping()` turns true first (False)."""

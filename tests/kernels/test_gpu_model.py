@@ -11,29 +11,20 @@ CPU's on that shared prefix, and that the difference happens only at a near tie.
 
 from __future__ import annotations
 
-import importlib.metadata
 from pathlib import Path
 
 import pytest
 import torch
 
 from hetero_common.model_path import BUNDLED_DISTRIBUTION
+from tests.conftest import installed
 from tests.kernels.reference import ON_GPU
-
-
-def _bundled_installed() -> bool:
-    try:
-        importlib.metadata.distribution(BUNDLED_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
 
 # A lent GPU machine has no bundled model: its 98 MB are over what a device call carries
 # (tests/kernels/test_engine_triton.py runs tiny models there against transformers).
 pytestmark = [
     *ON_GPU,
-    pytest.mark.skipif(not _bundled_installed(), reason=f"needs {BUNDLED_DISTRIBUTION}"),
+    pytest.mark.skipif(not installed(BUNDLED_DISTRIBUTION), reason=f"needs {BUNDLED_DISTRIBUTION}"),
 ]
 
 PROMPTS = [
