@@ -114,16 +114,20 @@ class Launched:
     # CUDA: the step's device-time events and its kind, for its timings once finished
     timing: tuple[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event], str] | None = None
 
+    # Both may run on the server's waiter thread while `Engine.finish` clears the fields on
+    # the step thread: each reads a field once.
+
     def ready(self) -> bool:
         """Its samples and prompt logprobs are on the host (finishing it will not wait)."""
-        lps = self.prompt_logprobs
-        return (self.samples is None or self.samples.ready()) and (lps is None or lps.copy.ready())
+        samples, lps = self.samples, self.prompt_logprobs
+        return (samples is None or samples.ready()) and (lps is None or lps.copy.ready())
 
     def wait(self) -> None:
-        if self.samples is not None:
-            self.samples.wait()
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs.copy.wait()
+        samples, lps = self.samples, self.prompt_logprobs
+        if samples is not None:
+            samples.wait()
+        if lps is not None:
+            lps.copy.wait()
 
 
 class Engine:

@@ -195,3 +195,37 @@ def test_a_decode_step_launches_behind_the_running_one_without_a_host_sync(
         prev = launched
     results.append(engine.finish(prev))
     assert all(sorted(r.sampled_ids) == rids for r in results)
+
+
+class _FinishedMidway(Launched):
+    """A step that `Engine.finish` (on the step thread) clears right after the server's
+    waiter thread first reads its samples: the interleaving of the two threads, made
+    certain."""
+
+    def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
+        value = super().__getattribute__(name)
+        if name in ("samples", "prompt_logprobs") and value is not None:
+            object.__setattr__(self, name, None)
+        return value
+
+
+def test_waiting_on_a_step_that_finish_clears_meanwhile_does_not_raise() -> None:
+    class Copy:
+        def __init__(self) -> None:
+            self.waited = 0
+
+        def ready(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            self.waited += 1
+
+    samples, copy = Copy(), Copy()
+    launched = _FinishedMidway(pb.StepResult(), samples=samples)  # type: ignore[arg-type]
+    launched.prompt_logprobs = type("Lps", (), {"copy": copy})()  # type: ignore[assignment]
+    launched.wait()
+    assert (samples.waited, copy.waited) == (1, 1)
+    assert launched.samples is None and launched.prompt_logprobs is None
+
+    launched = _FinishedMidway(pb.StepResult(), samples=Copy())  # type: ignore[arg-type]
+    assert launched.ready() is False
