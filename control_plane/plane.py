@@ -121,6 +121,9 @@ class ComputePlane:
         # also takes accepted proposals): a step that proposes, or carries grammar masks,
         # is planned with nothing in flight and none planned behind it.
         self._advanced: deque[bool] = deque()
+        # Per step in flight: its wall-clock marks in this loop (schedule start, scheduled,
+        # encoded, sent, previous outputs emitted), for `ControlEngine.timeline`.
+        self._marks: deque[tuple[int, int, int, int, int]] = deque()
         # Requests in flight when the compute plane failed, until a step of theirs runs,
         # with how many failures in a row they saw. They go back one at a time: the others
         # wait in `_held` until the one on trial has run a step (or ended), so a request
@@ -362,7 +365,7 @@ class ComputePlane:
         in_flight = self._in_flight
         # Sampled (and accepted proposals), not yet emitted.
         ready: tuple[cpb.StepResult, dict[str, int], dict[str, list[int]] | None] | None = None
-        marks: deque[tuple[int, int, int, int, int]] = deque()  # timeline, per step in flight
+        marks = self._marks
         advanced = self._advanced
         while True:
             out = None
@@ -422,6 +425,7 @@ class ComputePlane:
             t_result = time.time_ns()
             done = in_flight.popleft()
             was_advanced = advanced.popleft()
+            mark = marks.popleft()  # (kept or not, so that they stay paired with the steps)
             if self._suspects:
                 self._clear_suspects(done)
             if result.failed:
@@ -441,8 +445,8 @@ class ComputePlane:
                 self._advance_grammars(sched, sampled)
             ready = result, sampled, accepted
             self._observe_pool()
-            if self.engine.timeline is not None and marks:
-                t0, t1, t2, t3, t4 = marks.popleft()
+            if self.engine.timeline is not None:
+                t0, t1, t2, t3, t4 = mark
                 self.engine.timeline.append(
                     {
                         "step_id": result.step_id,
@@ -538,6 +542,7 @@ class ComputePlane:
         reqs = {req: None for out in self._in_flight for req, _ in out.scheduled()}
         self._in_flight.clear()
         self._advanced.clear()
+        self._marks.clear()
         for req in reqs:
             rid = req.request_id
             count = self._suspects[rid] = self._suspects.get(rid, 0) + 1

@@ -261,6 +261,10 @@ def test_step_timeline_tiny(tmp_path: Path) -> None:
     assert ms["decode_steps"] >= 5 and json.loads(out.read_text())["concurrency"] == 3
     for phase in ("schedule", "encode", "grpc_send", "grpc_return", "update", "forward"):
         assert ms[phase]["mean"] > 0, phase
+    # The hops of a step are parts of it (the marks of a step are its own, not those of a
+    # step of the untimed warm-up round before it).
+    for phase in ("grpc_send", "grpc_return"):
+        assert ms[phase]["mean"] < ms["step"]["mean"], phase
     assert ms["compute_idle"]["mean"] >= 0 and 0 <= ms["compute_idle_fraction"] < 1
     # The step is the compute plane busy, then idle until the next one.
     busy_idle = ms["compute_busy"]["mean"] + ms["compute_idle"]["mean"]

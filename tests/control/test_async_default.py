@@ -57,7 +57,10 @@ async def _run(path: Path, setting: bool | None, device: str, concurrent: bool):
     try:
         await control.attached.wait()
         streams = [control.submit(p, PARAMS, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
-        return await asyncio.gather(*map(stream_tokens, streams)), link.behind
+        tokens = await asyncio.gather(*map(stream_tokens, streams))
+        for plane in control.planes.values():  # nothing kept per step beyond those in flight
+            assert len(plane._marks) == len(plane._in_flight) <= 2
+        return tokens, link.behind
     finally:
         await control.stop()
 
