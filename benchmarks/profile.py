@@ -14,7 +14,11 @@ together; once they all decode, every step is split into:
   gRPC return (from the compute plane handing the result to gRPC to the result here:
   serialisation, transport, parsing), update (progress, stop checks, grammar masks);
 - compute plane: input build, forward, sample, other (validation, the result message);
-- the compute plane's idle gap: from handing step k's result to gRPC to having step k+1.
+- the compute plane's idle gap: from handing step k's result to gRPC to having step k+1
+  (negative where step k+1 came while k ran: overlapped steps, on CUDA by default);
+- on CUDA, the device's idle gap (`device_idle`): from the end of step k's sampling to the
+  start of step k+1's forward, by events on its stream (StepResult.device_idle_ns): the
+  samples' copy out, the inputs' copy in, and any wait for the host to launch the step.
 
 Writes a table (mean and p50 per phase, ms) to stdout and `docs/perf/profile.json`, and a
 timeline of a few steps to `docs/perf/profile_timeline.png`. Timestamps are wall-clock
@@ -130,6 +134,9 @@ def analyse(timeline: list[dict[str, int]], concurrency: int) -> dict[str, Any]:
     out["compute_busy"] = ms([(t["compute_replied"] - t["compute_received"]) / 1e6 for t in steps])
     idle = out["compute_idle"]["mean"] / out["step"]["mean"]
     out["compute_idle_fraction"] = round(idle, 3)
+    if device := [t["device_idle_ns"] / 1e6 for t in steps if "device_idle_ns" in t]:
+        out["device_idle"] = ms(device)
+        out["device_idle_fraction"] = round(out["device_idle"]["mean"] / out["step"]["mean"], 3)
     return out
 
 
@@ -170,11 +177,12 @@ def plot(timeline: list[dict[str, int]], concurrency: int, path: Path, count: in
             label=label,
         )
 
+    done = 0  # the last step's end: an overlapped step starts after it
     for t in steps:
         for name, plane, start, end in PHASES:
             if plane != "compute":
                 bar(plane, name, t[start], t[end])
-        at = t["compute_received"]
+        at = max(t["compute_received"], done)
         for name, key in (
             ("input build", "prepare_ns"),
             ("forward", "forward_ns"),
@@ -182,6 +190,7 @@ def plot(timeline: list[dict[str, int]], concurrency: int, path: Path, count: in
         ):
             bar("compute", name, at, at + t[key])
             at += t[key]
+        done = at
     ax.set_yticks([0, 1, 2], ["compute plane", "gRPC hop", "control plane"])
     ax.set_xlabel("ms")
     ax.set_title(f"{count} decode steps of {concurrency} sequences (white: idle)")
@@ -225,6 +234,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if isinstance(value, dict):
             print(f"  {key:18s} {value['mean']:8.3f} {value['p50']:8.3f}")
     print(f"  compute plane idle: {100 * result['compute_idle_fraction']:.1f}% of the step")
+    if "device_idle_fraction" in result:
+        print(
+            f"  device idle (CUDA events): {100 * result['device_idle_fraction']:.1f}% of the step"
+        )
     try:
         plot(timeline, args.concurrency, args.plot)
         print(f"timeline: {args.plot}")

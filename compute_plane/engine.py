@@ -111,8 +111,17 @@ class Launched:
     samples: DeviceSamples | None = None
     out: SampleOutput | None = None  # the samples, once on the host
     prompt_logprobs: PromptLogprobs | None = None  # of the rows that asked, on their way
-    # CUDA: the step's device-time events and its kind, for its timings once finished
-    timing: tuple[tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event], str] | None = None
+    # CUDA: the step's device-time events, its kind, and the previous timed step's end
+    # event (None: none to measure the device's idle time from), for its timings once
+    # finished
+    timing: (
+        tuple[
+            tuple[torch.cuda.Event, torch.cuda.Event, torch.cuda.Event],
+            str,
+            torch.cuda.Event | None,
+        ]
+        | None
+    ) = None
 
     # Both may run on the server's waiter thread while `Engine.finish` clears the fields on
     # the step thread: each reads a field once.
@@ -194,6 +203,8 @@ class Engine:
         self.capture_logits = False
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
         self._unsettled: list[Launched] = []  # launched, samples not yet taken, oldest first
+        # CUDA: the end event of the last step launched, when it was timed on the device
+        self._last_end: torch.cuda.Event | None = None
         # The server launches step k + 1 before finishing step k (`launch` / `finish`):
         # worth it where the forward runs behind the host (CUDA); on the CPU the forward
         # runs within `launch`, so finishing first returns step k's result sooner.
@@ -331,6 +342,7 @@ class Engine:
         self.requests.clear()
         self.runner.release_all()
         self._unsettled.clear()
+        self._last_end = None
         self.failed_alone.clear()
         if self.drafter is not None:
             self.drafter.reset()
@@ -463,10 +475,12 @@ class Engine:
             result.prompt_logprobs.extend(launched.prompt_logprobs.messages())
             launched.prompt_logprobs = None
         if launched.timing is not None:
-            (start, mid, end), kind = launched.timing
+            (start, mid, end), kind, before = launched.timing
             end.synchronize()  # (returns at once: the samples' copy, after it, has ended)
             result.forward_ns = int(start.elapsed_time(mid) * 1e6)
             result.sample_ns = int(mid.elapsed_time(end) * 1e6)
+            if before is not None:  # (ended before `start`, on the same stream)
+                result.device_idle_ns = max(0, int(before.elapsed_time(start) * 1e6))
             seconds = (result.forward_ns + result.sample_ns) / 1e9
             metrics.step_duration.labels(kind=kind, **self.metric_labels).observe(seconds)
             launched.timing = None
@@ -596,8 +610,10 @@ class Engine:
         kind = "decode" if decodes == len(rows) else "prefill" if decodes == 0 else "mixed"
         m = self.metric_labels
         if out.device_times is not None:  # timed on the device: known once it finished
-            launched.timing = (out.device_times, kind)
+            launched.timing = (out.device_times, kind, self._last_end)
+            self._last_end = out.device_times[2]
         else:
+            self._last_end = None  # (device work that no event bounds came in between)
             seconds = (out.forward_ns + out.sample_ns) / 1e9
             metrics.step_duration.labels(kind=kind, **m).observe(seconds)
         metrics.tokens_per_step.labels(**m).observe(out.num_tokens)

@@ -464,6 +464,12 @@ class ComputePlane:
                         "prepare_ns": result.prepare_ns,
                         "forward_ns": result.forward_ns,
                         "sample_ns": result.sample_ns,
+                        # (CUDA: the device's idle time before the step, its own events)
+                        **(
+                            {"device_idle_ns": result.device_idle_ns}
+                            if result.HasField("device_idle_ns")
+                            else {}
+                        ),
                     }
                 )
 

@@ -220,7 +220,7 @@ class RequestFailure(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining", "failed", "prompt_logprobs", "received_unix_ns", "prepare_ns", "replied_unix_ns", "accepted")
+    __slots__ = ("step_id", "sampled_ids", "sampled_token_ids", "results", "error", "num_tokens", "num_seqs", "forward_ns", "sample_ns", "draining", "failed", "prompt_logprobs", "received_unix_ns", "prepare_ns", "replied_unix_ns", "accepted", "device_idle_ns")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class StepResult(_message.Message):
     PREPARE_NS_FIELD_NUMBER: _ClassVar[int]
     REPLIED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDLE_NS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_ids: _containers.RepeatedScalarFieldContainer[str]
     sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -253,7 +254,8 @@ class StepResult(_message.Message):
     prepare_ns: int
     replied_unix_ns: int
     accepted: _containers.RepeatedCompositeFieldContainer[Accepted]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., received_unix_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., replied_unix_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[_Union[Accepted, _Mapping]]] = ...) -> None: ...
+    device_idle_ns: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., results: _Optional[_Iterable[_Union[TokenResult, _Mapping]]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., num_tokens: _Optional[int] = ..., num_seqs: _Optional[int] = ..., forward_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., draining: _Optional[bool] = ..., failed: _Optional[_Iterable[_Union[RequestFailure, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., received_unix_ns: _Optional[int] = ..., prepare_ns: _Optional[int] = ..., replied_unix_ns: _Optional[int] = ..., accepted: _Optional[_Iterable[_Union[Accepted, _Mapping]]] = ..., device_idle_ns: _Optional[int] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ("request_id", "token_ids", "num_proposed")

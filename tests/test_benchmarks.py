@@ -271,6 +271,30 @@ def test_step_timeline_tiny(tmp_path: Path) -> None:
     assert busy_idle == pytest.approx(ms["step"]["mean"], rel=1e-3)
     parts = ms["prepare"]["mean"] + ms["forward"]["mean"] + ms["sample"]["mean"]
     assert parts <= ms["compute_busy"]["mean"]
+    assert "device_idle" not in ms  # (CUDA events only)
+
+
+def test_step_timeline_of_overlapped_steps_takes_the_device_idle_gap() -> None:
+    """Overlapped steps (CUDA): the next step comes while one runs, so the host's gap is
+    negative; the device's own gap (StepResult.device_idle_ns) is the idle figure."""
+    ms = 1_000_000
+    timeline = []
+    for k in range(4):  # a step every 10 ms, each arriving 4 ms before the last replies
+        at = 100 * ms + k * 10 * ms
+        marks = dict(schedule_start=at - 3 * ms, scheduled=at - 3 * ms + 10_000)
+        marks |= dict(encoded=at - 3 * ms + 20_000, sent=at - 2 * ms, emitted=at - 2 * ms)
+        marks |= dict(compute_received=at, compute_replied=at + 14 * ms)
+        marks |= dict(result=at + 15 * ms, updated=at + 15 * ms + 50_000)
+        timeline.append(
+            marks
+            | dict(step_id=k, num_seqs=2, num_tokens=2, prepare_ns=ms, forward_ns=8 * ms)
+            | dict(sample_ns=ms, device_idle_ns=[500_000, 200_000, 300_000, 0][k])
+        )
+    out = profile.analyse(timeline, 2)
+    assert out["decode_steps"] == 3  # (the last has no next step to end it)
+    assert out["step"]["mean"] == 10.0 and out["compute_idle"]["mean"] == -4.0
+    assert out["device_idle"]["mean"] == round((0.5 + 0.2 + 0.3) / 3, 3)  # (ms to 3 places)
+    assert out["device_idle_fraction"] == round((0.5 + 0.2 + 0.3) / 3 / 10, 3)
 
 
 def test_layer_draft_is_the_models_first_layers(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@
 #
 # after benchmarks/device/wheels.sh has filled .whl/ here. A session's device time (15
 # minutes, the machine's start included) holds one such call, so the stages run in the
-# order of what #23 needs most: `all` = bench tests quant.
+# order of what #23 needs most: `all` = bench tests quant profile.
 #   bench   python -m benchmarks.gpu --parts kernels,engine,grpc: the attention kernels,
 #           the decode steps, the 256-request workload in process and over gRPC
 #           (the acceptance figures), into $OUT/gpu.json, to copy to docs/perf/gpu.json
@@ -15,6 +15,9 @@
 #           overlapped steps on CUDA (the other folders import packages the image lacks)
 #   quant   python -m benchmarks.gpu --parts quantized: FP8/INT8 against bf16, added to
 #           $OUT/gpu.json
+#   profile python -m benchmarks.profile on the bench stage's random model, at 32 sequences
+#           and at 1: the step timeline over gRPC with the device's idle gap between
+#           steps (CUDA events), into $OUT/profile_gpu*.json (capped: $PROFILE_TIMEOUT, 150)
 # Logs and reports land in $OUT (they come back, also from a call stopped at its limit).
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
 # while the next one runs; the bench stage stops after $BENCH_TIMEOUT seconds (420 unless
@@ -30,7 +33,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
   | tee -a "$OUT/gpu.txt"
 stages=("$@")
-[ "${stages[0]:-all}" = all ] && stages=(bench tests quant)
+[ "${stages[0]:-all}" = all ] && stages=(bench tests quant profile)
 rc=0
 for stage in "${stages[@]}"; do
   case "$stage" in
@@ -53,6 +56,15 @@ for stage in "${stages[@]}"; do
     quant)
       python3 -m benchmarks.gpu --parts quantized --out "$OUT/gpu.json" 2>&1 \
         | tee "$OUT/gpu-quant.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    profile)
+      # (the model the bench stage wrote; async scheduling is on by default for a GPU)
+      timeout -s INT -k 30 "${PROFILE_TIMEOUT:-150}" bash -c '
+        for n in 32 1; do
+          python3 -m benchmarks.profile --model /tmp/qwen3-0.6b-random --concurrency "$n" \
+            --out "$OUT/profile_gpu_$n.json" --plot "$OUT/profile_gpu_$n.png" || exit 1
+        done' 2>&1 | tee "$OUT/gpu-profile.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

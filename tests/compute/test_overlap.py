@@ -6,6 +6,7 @@ step k is still computing when step k + 1 is launched."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,57 @@ def test_a_decode_step_launches_behind_the_running_one_without_a_host_sync(
         prev = launched
     results.append(engine.finish(prev))
     assert all(sorted(r.sampled_ids) == rids for r in results)
+    # The device's idle time before each step, by its events: each of these steps came
+    # behind a timed one. One launched 50 ms after the last finished waited that long.
+    assert all(r.HasField("device_idle_ns") for r in results)
+    time.sleep(0.05)
+    late = engine.step(drv.step(cont=[drv.cont(r, 1) for r in rids]))
+    assert 50e6 <= late.device_idle_ns < 1e9
+    assert max(r.device_idle_ns for r in results[4:]) < late.device_idle_ns  # (no compiles)
+
+
+class _HostClockEvent:
+    """In place of a CUDA timing event, off CUDA: the host's clock when it is recorded."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, later: _HostClockEvent) -> float:
+        return (later.at - self.at) * 1e3  # ms, as torch.cuda.Event's
+
+
+def test_device_idle_time_runs_from_the_last_timed_steps_end(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """StepResult.device_idle_ns: from the last timed step's end event to this step's
+    start event; none after a reset or after a step with no events."""
+    monkeypatch.setattr(ModelRunner, "_timing_event", lambda self: _HostClockEvent())
+    _fresh(engine, staged=False)
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=3)
+    rids = ["x", "y"]
+
+    def decode() -> pb.StepResult:
+        return engine.step(drv.step(cont=[drv.cont(r, 1) for r in rids]))
+
+    new = [drv.new(r, [5 + i, 9, 11], 3) for i, r in enumerate(rids)]
+    assert not engine.step(drv.step(new=new)).HasField("device_idle_ns")  # (a reset before)
+    time.sleep(0.05)
+    late, soon = decode(), decode()
+    assert 50e6 <= late.device_idle_ns < 1e9
+    assert 0 <= soon.device_idle_ns < late.device_idle_ns
+    monkeypatch.setattr(ModelRunner, "_timing_event", lambda self: None)  # (as off CUDA)
+    assert not decode().HasField("device_idle_ns")
+    monkeypatch.setattr(ModelRunner, "_timing_event", lambda self: _HostClockEvent())
+    assert not decode().HasField("device_idle_ns")  # the last step had no end event
+    assert decode().HasField("device_idle_ns")
+    engine.reset()  # (a new epoch: the device may have idled for any reason since)
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=4)
+    new = [drv.new(r, [7 + i, 9, 11], 3) for i, r in enumerate(rids)]
+    assert not engine.step(drv.step(new=new)).HasField("device_idle_ns")
+    assert decode().HasField("device_idle_ns")
 
 
 class _FinishedMidway(Launched):
