@@ -60,8 +60,9 @@ class Outbox(Protocol):
         """A new response of `request_id`, part of the next message: fill it in place."""
         ...
 
-    def sent(self, request_id: str, last: bool) -> None:
-        """The response from `add` is complete; `last`: the request has ended."""
+    def sent(self, request_id: str, last: bool, owner: object = None) -> None:
+        """The response from `add` is complete; `last`: the request (`owner`, its stream)
+        has ended."""
         ...
 
     def delta(self, request_id: str, token_ids: list[int], text: str) -> None:
@@ -69,8 +70,8 @@ class Outbox(Protocol):
         into the next message (GenerateManyResponse.packed) rather than a response."""
         ...
 
-    def fail(self, request_id: str, error: BaseException) -> None:
-        """The request is refused or failed; it ends with this error."""
+    def fail(self, request_id: str, error: BaseException, *, owner: object = None) -> None:
+        """The request (`owner`, its stream) is refused or failed; it ends with this error."""
         ...
 
 
@@ -116,7 +117,7 @@ class GenerateStream:
         if self.outbox is None:
             self.queue.put_nowait(resp)
         else:
-            self.outbox.sent(self.client_id, last)
+            self.outbox.sent(self.client_id, last, self)
 
     def fail(self, error: BaseException) -> None:
         """End the request with an error (the compute plane is gone, it no longer fits)."""
@@ -124,7 +125,7 @@ class GenerateStream:
         if self.outbox is None:
             self.queue.put_nowait(error)
         else:
-            self.outbox.fail(self.client_id, error)
+            self.outbox.fail(self.client_id, error, owner=self)
 
     def new_text(self, choice: Choice, tokens: list[int]) -> tuple[str, int, str | None]:
         """Detokenise a choice's newly sampled tokens and apply its stop strings.

@@ -72,7 +72,10 @@ class CallOutbox:
     """
 
     def __init__(self) -> None:
-        self.ended: list[str] = []  # requests whose last message is in `message`
+        # Requests whose last message is in `message`: (request id, its stream, or None
+        # for a start that never had one). The stream tells it from a newer request that
+        # took the id after a cancel while this one's last message waited here.
+        self.ended: list[tuple[str, object]] = []
         self._ready = asyncio.Event()
         self._closed: list[pb.GenerateManyResponse] = []  # full, waiting to be written
         self._new_message()
@@ -112,23 +115,25 @@ class CallOutbox:
             self._ready.set()
         self._packed.add(request_id, token_ids, text)
 
-    def sent(self, request_id: str, last: bool) -> None:
+    def sent(self, request_id: str, last: bool, owner: object = None) -> None:
         if last:
-            self.ended.append(request_id)
+            self.ended.append((request_id, owner))
         self._ready.set()
 
-    def fail(self, request_id: str, error: BaseException, end: bool = True) -> None:
+    def fail(
+        self, request_id: str, error: BaseException, *, end: bool = True, owner: object = None
+    ) -> None:
         """`end` False: a start refused for its request_id, which names another request."""
         code = status_for(error) or grpc.StatusCode.INTERNAL
         self.message.errors.add(request_id=request_id, code=code.name, message=str(error))
         if end:
-            self.ended.append(request_id)
+            self.ended.append((request_id, owner))
         self._ready.set()
 
     def wake(self) -> None:
         self._ready.set()
 
-    async def take(self) -> tuple[list[pb.GenerateManyResponse], list[str]]:
+    async def take(self) -> tuple[list[pb.GenerateManyResponse], list[tuple[str, object]]]:
         """Wait for something to send; return the messages (none when only woken) and
         the requests they end."""
         await self._ready.wait()
@@ -241,8 +246,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 messages, ended = await call.outbox.take()
                 if call.broken is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"GenerateMany: {call.broken}")
-                for rid in ended:
-                    call.running.pop(rid, None)
+                call.forget(ended)
                 for message in messages:
                     yield message
         finally:
@@ -376,6 +380,14 @@ class _ManyCall:
             if starting.get(rid) is token:
                 del starting[rid]
             self.outbox.wake()  # the call may be waiting for its last request to end
+
+    def forget(self, ended: list[tuple[str, object]]) -> None:
+        """Stop tracking the requests whose last message goes out now: each by its stream,
+        not a newer request that took its id after a cancel while that message waited."""
+        running = self.running
+        for rid, stream in ended:
+            if rid in running and running[rid] is stream:
+                del running[rid]
 
     def close(self) -> None:
         for task in self.tasks:

@@ -14,12 +14,21 @@ Past `timeout` seconds the calls still running are cancelled on the control plan
 the queue gets a 504, whether or not anyone is reading it. A call that fails because the
 GenerateMany call under it broke gets a `Broken` error: nothing was said about the call
 itself, so it may go on on another control plane (gateway.router).
+
+A call is named after its HTTP request (the client's X-Request-Id, `-p<i>` per prompt)
+unless that name is taken: by a start not yet cancelled (a client may reuse its id while
+the first request runs, or while another prompt of it does), or by a call cancelled
+while it ran less than `CANCELLED_KEEP` seconds ago (its messages may still be on their
+way, and must not reach the new call). Then it gets a suffix. `cancel` acts on its own
+start's calls only: once a start is cancelled (or past its deadline), its names may name
+newer starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +47,8 @@ from hetero_proto import control_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 Item = tuple[int, pb.GenerateResponse | BaseException] | BaseException | None
+
+CANCELLED_KEEP = 60.0  # seconds a call cancelled while it ran keeps its name out of use
 
 
 class Sink(Protocol):
@@ -87,7 +98,13 @@ class Multiplexer:
         self._outgoing: asyncio.Queue[pb.GenerateManyRequest] | None = None
         self._routes: dict[str, _Route] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # The calls of the starts not yet cancelled: id -> its start's ids (the list that
+        # `start` returned, which `cancel` is given back)
+        self._owned: dict[str, list[str]] = {}
         self._deadlines: dict[str, asyncio.TimerHandle] = {}  # first id of a start -> timer
+        # Calls of the open GenerateMany call cancelled while they ran, oldest first: id ->
+        # when (time.monotonic)
+        self._cancelled: dict[str, float] = {}
 
     def start(self, calls: list[pb.GenerateRequest], queue: Sink, timeout: float) -> list[str]:
         """Send the calls; their responses go to `queue`. Returns their request ids."""
@@ -100,16 +117,20 @@ class Multiplexer:
                     f"as a gRPC message; at most {MAX_GRPC_MESSAGE_BYTES})",
                 )
         outgoing = self._open()
-        ids = []
+        ids: list[str] = []
         base = REQUEST_ID.get() or uuid.uuid4().hex  # the HTTP request's id, for the logs
         traceparent = current_traceparent()  # the HTTP request's span, when tracing
+        cancelled, now = self._cancelled, time.monotonic()
+        while cancelled and now - next(iter(cancelled.values())) >= CANCELLED_KEEP:
+            del cancelled[next(iter(cancelled))]
         for i, start in enumerate(starts):
             rid = base if len(starts) == 1 else f"{base}-p{i}"
-            if rid in self._routes:  # a client reused its X-Request-Id while it runs
+            if rid in self._owned or rid in cancelled:  # a client reused its X-Request-Id
                 rid = f"{rid}~{uuid.uuid4().hex[:8]}"
             start.start.request_id = rid
             start.start.traceparent = traceparent
             self._routes[rid] = _Route(queue, i)
+            self._owned[rid] = ids
             outgoing.put_nowait(start)
             ids.append(rid)
         loop = asyncio.get_running_loop()
@@ -117,12 +138,17 @@ class Multiplexer:
         return ids
 
     def cancel(self, ids: list[str]) -> None:
-        """Abort those of `ids` that have not ended; they get no further message."""
-        if ids and (timer := self._deadlines.pop(ids[0], None)) is not None:
+        """Abort those of `ids` (a start's, as `start` returned them) that have not ended;
+        they get no further message. Once more: nothing (the ids may name newer calls)."""
+        if not ids or self._owned.get(ids[0]) is not ids:
+            return
+        if (timer := self._deadlines.pop(ids[0], None)) is not None:
             timer.cancel()
         for rid in ids:
+            del self._owned[rid]
             if self._routes.pop(rid, None) is not None and self._outgoing is not None:
                 self._outgoing.put_nowait(pb.GenerateManyRequest(cancel=rid))
+                self._cancelled[rid] = time.monotonic()
 
     def _expire(self, ids: list[str], queue: Sink) -> None:
         """The deadline passed: free the control plane's work now, tell the reader 504."""
@@ -147,6 +173,7 @@ class Multiplexer:
         call = self._stub().GenerateMany()
         outgoing: asyncio.Queue[pb.GenerateManyRequest] = asyncio.Queue()
         self._call, self._outgoing, self._routes = call, outgoing, {}
+        self._cancelled = {}  # (the last call's messages do not come on this one)
         self._tasks = [
             asyncio.create_task(self._write(call, outgoing), name="generate-many-write"),
             asyncio.create_task(self._read(call, self._routes), name="generate-many-read"),

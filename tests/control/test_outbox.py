@@ -4,12 +4,13 @@ the steps produced, in order, however the writer's takes fall between the steps.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.server import CallOutbox
+from control_plane.server import CallOutbox, _ManyCall
 from hetero_common.packed import packed_responses
 from hetero_proto import control_pb2 as pb
 
@@ -118,12 +119,35 @@ def test_errors_and_ends_go_with_the_message_they_belong_to() -> None:
         box.add("a").choices.add(text="z")  # after its packed delta: a new message
         box.sent("a", last=True)
         messages, ended = await box.take()
-        assert ended == ["b", "c", "a"]
+        assert ended == [("b", None), ("c", None), ("a", None)]
         assert [_read(m) for m in messages] == [[("c", "y"), ("a", "x")], [("a", "z")]]
         assert [(e.request_id, e.code) for e in messages[0].errors] == [("b", "INTERNAL")]
         assert not messages[1].errors
         assert box.empty
         box.wake()  # woken with nothing to send: no message
         assert await box.take() == ([], [])
+
+    asyncio.run(go())
+
+
+def test_a_request_that_took_a_cancelled_ones_id_stays_tracked() -> None:
+    """GenerateMany: request x is cancelled while its last message waits in the outbox, and
+    a new x starts. When that message goes out, the new x is still the call's (so a later
+    cancel, or the call's end, still aborts it); its own end then lets it go."""
+
+    async def go() -> None:
+        call = _ManyCall(SimpleNamespace(engine=None))  # type: ignore[arg-type]
+        box = call.outbox
+        old, new = object(), object()  # (the two requests' streams)
+        box.add("x").choices.add(text="end")
+        box.sent("x", last=True, owner=old)
+        call.running["x"] = new  # cancel x, start x again, before the write
+        _, ended = await box.take()
+        call.forget(ended)
+        assert call.running == {"x": new}
+        box.fail("x", ValueError("gone"), owner=new)
+        _, ended = await box.take()
+        call.forget(ended)
+        assert call.running == {}
 
     asyncio.run(go())
