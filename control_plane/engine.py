@@ -35,6 +35,7 @@ from control_plane.scheduler import AdmissionError, Scheduler
 from control_plane.tokenizer import TokenizerWrapper
 from hetero_common.discovery import resolve, static_addresses
 from hetero_common.logs import valid_request_id
+from hetero_common.metrics import forget_series
 from hetero_common.tracing import start_span
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
@@ -147,6 +148,7 @@ class ControlEngine:
         another control plane drives makes room for one not tried lately."""
         cap = self.config.max_compute_planes
         now = time.monotonic()
+        self._passed_over = {a: t for a, t in self._passed_over.items() if t > now}
         if cap:
             for address, plane in list(self.planes.items()):
                 if plane.refused and not plane.attached.is_set() and not plane.leaving:
@@ -185,6 +187,7 @@ class ControlEngine:
         """A plane that left handed its requests over: forget it."""
         if self.planes.get(plane.address) is plane:
             del self.planes[plane.address]
+            forget_series(metrics.PER_COMPUTE, "compute", plane.address)
         asyncio.get_running_loop().create_task(plane.client.close())
         self.plane_detached(plane)
 

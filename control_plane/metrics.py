@@ -103,6 +103,13 @@ routed = Counter(
 )
 
 
+# The series labelled with a compute plane (`compute`), removed when it leaves.
+PER_COMPUTE = [
+    requests_running, requests_waiting, kv_cache_usage, preemptions, prefix_queries,
+    prefix_hits, steps, compute_attached, routed,
+]  # fmt: skip
+
+
 def observe_many(histogram: Histogram, value: float, count: int) -> None:
     """`count` observations of `value` at the cost of one.
 

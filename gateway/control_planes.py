@@ -27,6 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import APIError
 from gateway.multiplex import Multiplexer
 from hetero_common import discovery
+from hetero_common.metrics import forget_series
 from hetero_common.tls import ClientTLS
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -107,8 +108,7 @@ class ControlPlane:
         await self.mux.close()
         if self.channel is not None:
             await self.channel.close()
-        with contextlib.suppress(KeyError):
-            metrics.control_in_flight.remove(self.address)
+        forget_series([metrics.control_in_flight, metrics.routed], "control", self.address)
 
 
 class ControlPlanes:

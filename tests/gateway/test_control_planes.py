@@ -18,7 +18,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from prometheus_client import REGISTRY
 
+from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.control_planes import ControlPlanes
 from gateway.errors import APIError
@@ -168,6 +170,7 @@ def test_planes_follow_dns_and_leavers_finish_their_calls(monkeypatch: pytest.Mo
         assert list(planes.planes) == ["10.0.0.1:5", "10.0.0.2:5"]
         leaver = planes.planes["10.0.0.1:5"]
         leaver.add_in_flight(1)  # a call still runs on it
+        metrics.routed.labels(control=leaver.address, reason="affinity").inc()  # (as routed)
         await planes.refresh()
         assert list(planes.planes) == ["10.0.0.2:5", "10.0.0.3:5"]
         assert set(planes.ring.nodes) == {"10.0.0.2:5", "10.0.0.3:5"}
@@ -184,6 +187,8 @@ def test_planes_follow_dns_and_leavers_finish_their_calls(monkeypatch: pytest.Mo
         leaver.add_in_flight(-1)
         await planes.tick(every=False)
         assert planes.leaving == []
+        series = [s.labels for m in REGISTRY.collect() for s in m.samples]
+        assert not [s for s in series if s.get("control") == leaver.address]  # (gone with it)
         for _ in range(2):
             await planes.refresh()
             assert list(planes.planes) == ["10.0.0.2:5", "10.0.0.3:5"]
