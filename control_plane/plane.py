@@ -123,7 +123,7 @@ class ComputePlane:
         self._advanced: deque[bool] = deque()
         # Per step in flight: its wall-clock marks in this loop (schedule start, scheduled,
         # encoded, sent, previous outputs emitted), for `ControlEngine.timeline`.
-        self._marks: deque[tuple[int, int, int, int, int]] = deque()
+        self._marks: deque[list[int]] = deque()
         # Requests in flight when the compute plane failed, until a step of theirs runs,
         # with how many failures in a row they saw. They go back one at a time: the others
         # wait in `_held` until the one on trial has run a step (or ended), so a request
@@ -394,7 +394,7 @@ class ComputePlane:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            t_scheduled = t_encoded = t_sent = 0
+            mark = None
             if out is not None:
                 self._step_id += 1
                 t_scheduled = time.time_ns()
@@ -404,10 +404,13 @@ class ComputePlane:
                 in_flight.append(out)
                 ahead = self.async_scheduling and (lookahead or self._may_look_ahead(sched))
                 advanced.append(ahead)
+                # (with the step, so that the three stay paired; sent and emitted to come)
+                mark = [t_sched, t_scheduled, t_encoded, 0, 0]
+                marks.append(mark)
                 try:
                     await self.client.send(step)
                 finally:
-                    t_sent = time.time_ns()
+                    mark[3] = time.time_ns()
                     if ready is not None:  # emitted even when the link fails: kept tokens
                         self._emit(*ready)
                         ready = None
@@ -416,16 +419,15 @@ class ComputePlane:
             if ready is not None:
                 self._emit(*ready)
                 ready = None
-            t_emitted = time.time_ns()
-            if out is not None:
-                marks.append((t_sched, t_scheduled, t_encoded, t_sent, t_emitted))
+            if mark is not None:
+                mark[4] = time.time_ns()
                 if len(in_flight) == 1 and advanced[-1] and self._may_look_ahead(sched):
                     continue  # plan the next step while this one runs
             result = await self.client.receive()
             t_result = time.time_ns()
             done = in_flight.popleft()
             was_advanced = advanced.popleft()
-            mark = marks.popleft()  # (kept or not, so that they stay paired with the steps)
+            mark = marks.popleft()  # (kept or not)
             if self._suspects:
                 self._clear_suspects(done)
             if result.failed:

@@ -105,10 +105,11 @@ class ControlPlane:
         return info
 
     async def close(self) -> None:
+        # (first: the address may come back as a new plane while this one closes)
+        forget_series([metrics.control_in_flight, metrics.routed], "control", self.address)
         await self.mux.close()
         if self.channel is not None:
             await self.channel.close()
-        forget_series([metrics.control_in_flight, metrics.routed], "control", self.address)
 
 
 class ControlPlanes:

@@ -15,7 +15,9 @@ def forget_series(metrics: list[MetricWrapperBase], label: str, value: str) -> i
         if label not in names:
             continue
         at = names.index(label)
-        for values in [v for v in list(metric._metrics) if v[at] == value]:
+        with metric._lock:
+            gone = [v for v in metric._metrics if v[at] == value]
+        for values in gone:
             metric.remove(*values)
             removed += 1
     return removed

@@ -15,9 +15,11 @@
 #           overlapped steps on CUDA (the other folders import packages the image lacks)
 #   quant   python -m benchmarks.gpu --parts quantized: FP8/INT8 against bf16, added to
 #           $OUT/gpu.json
-#   profile python -m benchmarks.profile on the bench stage's random model, at 32 sequences
-#           and at 1: the step timeline over gRPC with the device's idle gap between
-#           steps (CUDA events), into $OUT/profile_gpu*.json (capped: $PROFILE_TIMEOUT, 150)
+#   profile python -m benchmarks.profile on the bench stage's random model (written here if
+#           missing), at 32 sequences and at 1: the step timeline over gRPC with the
+#           device's idle gap between steps (CUDA events), into $OUT/profile_gpu*.json
+#           (capped: $PROFILE_TIMEOUT, 150). Last: within one 540 s call it runs only if
+#           the stages before finish early; `check.sh profile` is a call of its own.
 # Logs and reports land in $OUT (they come back, also from a call stopped at its limit).
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
 # while the next one runs; the bench stage stops after $BENCH_TIMEOUT seconds (420 unless
@@ -61,6 +63,8 @@ for stage in "${stages[@]}"; do
     profile)
       # (the model the bench stage wrote; async scheduling is on by default for a GPU)
       timeout -s INT -k 30 "${PROFILE_TIMEOUT:-150}" bash -c '
+        python3 -c "from pathlib import Path; from benchmarks.gpu import write_random_model
+write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once)
         for n in 32 1; do
           python3 -m benchmarks.profile --model /tmp/qwen3-0.6b-random --concurrency "$n" \
             --out "$OUT/profile_gpu_$n.json" --plot "$OUT/profile_gpu_$n.png" || exit 1
