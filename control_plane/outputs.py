@@ -60,7 +60,7 @@ class Outbox(Protocol):
         """A new response of `request_id`, part of the next message: fill it in place."""
         ...
 
-    def sent(self, request_id: str, last: bool, owner: object = None) -> None:
+    def sent(self, request_id: str, last: bool, *, owner: object = None) -> None:
         """The response from `add` is complete; `last`: the request (`owner`, its stream)
         has ended."""
         ...
@@ -117,7 +117,7 @@ class GenerateStream:
         if self.outbox is None:
             self.queue.put_nowait(resp)
         else:
-            self.outbox.sent(self.client_id, last, self)
+            self.outbox.sent(self.client_id, last, owner=self)
 
     def fail(self, error: BaseException) -> None:
         """End the request with an error (the compute plane is gone, it no longer fits)."""

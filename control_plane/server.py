@@ -115,7 +115,7 @@ class CallOutbox:
             self._ready.set()
         self._packed.add(request_id, token_ids, text)
 
-    def sent(self, request_id: str, last: bool, owner: object = None) -> None:
+    def sent(self, request_id: str, last: bool, *, owner: object = None) -> None:
         if last:
             self.ended.append((request_id, owner))
         self._ready.set()
