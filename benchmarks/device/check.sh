@@ -20,7 +20,8 @@
 #           device's idle gap between steps (CUDA events), into $OUT/profile_gpu*.json
 #           (capped: $PROFILE_TIMEOUT, 150). Last: within one 540 s call it runs only if
 #           the stages before finish early; `check.sh profile` is a call of its own.
-# Logs and reports land in $OUT (they come back, also from a call stopped at its limit).
+# Logs land in $OUT/check.log and reports in $OUT (they come back, also from a call stopped
+# at its limit; a call brings back at most 8 files, so the stages share one log).
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
 # while the next one runs; the bench stage stops after $BENCH_TIMEOUT seconds (420 unless
 # set), the tests stage after $TESTS_TIMEOUT (180).
@@ -31,9 +32,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/check.log"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
-  | tee -a "$OUT/gpu.txt"
+  | tee -a "$OUT/check.log"
 stages=("$@")
 [ "${stages[0]:-all}" = all ] && stages=(bench tests quant profile)
 rc=0
@@ -44,7 +45,7 @@ for stage in "${stages[@]}"; do
       # (SIGINT: pytest still prints what failed and its summary)
       timeout -s INT -k 30 "${TESTS_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider tests/kernels \
         tests/compute/test_sampler.py tests/compute/test_scaled.py tests/compute/test_overlap.py \
-        2>&1 | tee "$OUT/gpu-tests.log"
+        2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     bench)
@@ -52,12 +53,12 @@ for stage in "${stages[@]}"; do
       # gRPC path within --path-timeout
       timeout -s INT -k 30 "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.gpu \
         --parts kernels,engine,grpc --path-timeout 150 --out "$OUT/gpu.json" 2>&1 \
-        | tee "$OUT/gpu-bench.log"
+        | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     quant)
       python3 -m benchmarks.gpu --parts quantized --out "$OUT/gpu.json" 2>&1 \
-        | tee "$OUT/gpu-quant.log"
+        | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     profile)
@@ -68,7 +69,7 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
         for n in 32 1; do
           python3 -m benchmarks.profile --model /tmp/qwen3-0.6b-random --concurrency "$n" \
             --out "$OUT/profile_gpu_$n.json" --plot "$OUT/profile_gpu_$n.png" || exit 1
-        done' 2>&1 | tee "$OUT/gpu-profile.log"
+        done' 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
