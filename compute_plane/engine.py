@@ -385,7 +385,6 @@ class Engine:
     def _choose_fused_rows(self) -> None:
         """Model.fused_rows per --fused-linear (before any decode graph is captured)."""
         model, mode = self.model, self.config.fused_linear
-        layer = model.layers[0]
         if model.fused_norm_linear is None or mode == "off":
             return
         from compute_plane.kernels import fused_linear
@@ -393,16 +392,27 @@ class Engine:
         if mode == "on":
             model.fused_rows = fused_linear.MAX_ROWS
             return
-        qkv, gate_up = layer.qkv, layer.gate_up
-        if self.device.type != "cuda" or not isinstance(qkv, torch.Tensor):
+        if self.device.type != "cuda":
             return
-        if not isinstance(gate_up, torch.Tensor):  # FP8/INT8 weights keep their own kernels
-            return
-        w = layer.down  # fused with SiLU·up where the model has it and the weight is dense
-        down = w if isinstance(w, torch.Tensor) and model.fused_silu_linear is not None else None
+
+        def dense(w: object) -> torch.Tensor | None:
+            return w if isinstance(w, torch.Tensor) else None
+
+        # every layer's weights in turn, as a step reads them (so timed beyond the L2)
+        layers = []
+        for la in model.layers:
+            qkv, gate_up = dense(la.qkv), dense(la.gate_up)
+            if qkv is None or gate_up is None:  # FP8/INT8 weights keep their own kernels
+                return
+            o = dense(la.o) if model.rows_linear is not None else None
+            # down fused with SiLU·up where the model has it and the weight is dense
+            down = dense(la.down) if model.fused_silu_linear is not None else None
+            layers.append(
+                fused_linear.LayerLinears(la.input_norm, qkv, o, la.mlp_norm, gate_up, down)
+            )
         try:
             model.fused_rows, self.fused_linear_timings = fused_linear.fused_rows_faster(
-                layer.input_norm, [qkv, gate_up], down, self.model_config.rms_norm_eps
+                layers, self.model_config.rms_norm_eps
             )
         except Exception:  # a kernel that fails to build, run or agree here: the separate ones
             log.exception("the fused small-batch linears failed their start-up check; not used")

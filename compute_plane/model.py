@@ -111,6 +111,8 @@ class ModelKernels:
         | None
     ) = None
     silu_mul_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # and the attention's output projection in the same kernel, nothing folded in
+    rows_linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # Attention over the cache alone, the step's K/V stored there by the rotation
     # (`rotary.rotate_into_cache`: one kernel with the KV write on the Triton path);
     # None: rotation, then `attention.forward` writes K/V and attends.
@@ -251,6 +253,7 @@ class Model:
         self.attend = kernels.attend
         self.fused_norm_linear = kernels.norm_linear
         self.fused_silu_linear = kernels.silu_mul_linear if self.silu_and_mul else None
+        self.rows_linear = kernels.rows_linear
         # Steps of at most this many tokens use the fused linears (0: never): chosen by the
         # engine at start-up on CUDA, where they measure faster (fused_rows_faster).
         self.fused_rows = 0
@@ -339,7 +342,11 @@ class Model:
             else:
                 q, k = rotary(q, k, positions)
             o = self.attention.forward(q, k, v, k_cache, v_cache, meta, layer.window)
-        o = self.linear(o.reshape(-1, self.q_size), layer.o, None)
+        o = o.reshape(-1, self.q_size)
+        if small and self.rows_linear is not None and isinstance(layer.o, torch.Tensor):
+            o = self.rows_linear(o, layer.o)
+        else:
+            o = self.linear(o, layer.o, None)
         if layer.attn_out_norm is None:
             return self._norm_linear(o, h, layer.mlp_norm, layer.gate_up, None, small)
         h = h + self.norm(o, layer.attn_out_norm, eps)

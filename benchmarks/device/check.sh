@@ -20,6 +20,9 @@
 #           device's idle gap between steps (CUDA events), into $OUT/profile_gpu*.json
 #           (capped: $PROFILE_TIMEOUT, 150). Last: within one 540 s call it runs only if
 #           the stages before finish early; `check.sh profile` is a call of its own.
+#   steps   not in `all`: the engine's start-up choice of the small-step linears
+#           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256,
+#           into $OUT/steps.json (a short call after a kernel change)
 # Logs land in $OUT/check.log and reports in $OUT (they come back, also from a call stopped
 # at its limit; a call brings back at most 8 files, so the stages share one log).
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
@@ -70,6 +73,25 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
           python3 -m benchmarks.profile --model /tmp/qwen3-0.6b-random --concurrency "$n" \
             --out "$OUT/profile_gpu_$n.json" --plot "$OUT/profile_gpu_$n.png" || exit 1
         done' 2>&1 | tee -a "$OUT/check.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    steps)
+      # the engine's start-up choice of the small-step linears and the decode steps alone
+      # (decode_step of the bench stage, with no workload): a short call after a kernel change
+      TRITON_PRINT_AUTOTUNING=1 timeout -s INT -k 30 "${STEPS_TIMEOUT:-240}" python3 -c '
+import json, os, sys
+from pathlib import Path
+from benchmarks.gpu import copy_bandwidth, step_times, write_random_model
+from hetero_infer.offline import OfflineLLM
+peak = copy_bandwidth()
+llm = OfflineLLM(str(write_random_model(Path("/tmp/qwen3-0.6b-random"))))
+report = {"copy_bandwidth_GB_per_s": round(peak / 1e9, 1),
+          "fused_rows": llm.engine.model.fused_rows,
+          "fused_linear_timings": llm.engine.fused_linear_timings}
+print(json.dumps(report), flush=True)
+report["decode_step"] = step_times(llm.engine, peak)
+Path(os.environ["OUT"], "steps.json").write_text(json.dumps(report, indent=2) + "\n")
+' 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

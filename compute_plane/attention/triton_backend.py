@@ -16,7 +16,7 @@ from compute_plane.attention.torch_backend import AttentionMetadata
 from compute_plane.kernels import cache_ops
 from compute_plane.kernels.activation import silu_and_mul
 from compute_plane.kernels.decode_attention import choose_num_splits, paged_decode_attention
-from compute_plane.kernels.fused_linear import norm_linear, silu_mul_linear
+from compute_plane.kernels.fused_linear import norm_linear, rows_linear, silu_mul_linear
 from compute_plane.kernels.prefill_attention import paged_prefill_attention
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
 from compute_plane.kernels.rotary import apply_rotary, rotate_into_cache
@@ -148,4 +148,5 @@ def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:
         attend=attention.attend,
         norm_linear=norm_linear,
         silu_mul_linear=silu_mul_linear,
+        rows_linear=rows_linear,
     )

@@ -3,14 +3,19 @@
     norm_linear       rms_norm(x + residual) @ W.T (+ bias), and x + residual
                       (a layer's input norm before q|k|v, its MLP norm before gate|up)
     silu_mul_linear   (silu(gate) * up) @ W.T (the down projection)
+    rows_linear       x @ W.T (+ bias), nothing folded in (the attention's output
+                      projection, beside the others in a small step)
 
 A decode step of one or a few sequences is bound by its launches more than by its
 reads: the norm and the SiLU are kernels of a few microseconds each, between matrix
 products that stream the weights. Here each program computes BLOCK_N outputs for all
 rows: it streams its [BLOCK_N, K] slice of W once and recomputes the input's op over
 the whole row (K values per row, cheap beside the slice), so nothing is written
-between the two. The rows are padded to 16 (`tl.dot`'s least M); `MAX_ROWS` rows at
-most. The input's roundings are the separate ops': the sum is rounded to the dtype (it
+between the two. Up to `GEMV_ROWS` rows the products are a matrix-vector form (each
+weight tile multiplied into each row and summed along K on the CUDA cores: a decode
+step of one sequence reads each weight once, with many small programs to keep the
+memory busy); above, the rows are padded to 16 (`tl.dot`'s least M) and the tile goes
+through the tensor cores; `MAX_ROWS` rows at most. The input's roundings are the separate ops': the sum is rounded to the dtype (it
 is the new residual), normalised in fp32, rounded, scaled by the weight; silu(gate) is
 rounded before the product. The orders of summation differ (the mean square in
 blocks of the row, the dot's from cuBLAS's), so results agree to rounding, not bit for
@@ -18,17 +23,22 @@ bit: steps of at most `Model.fused_rows` tokens round differently from larger on
 
 Whether the fused form is faster than the norm kernel + cuBLAS depends on the GPU and
 the shapes: `fused_rows_faster` times both, captured in CUDA graphs, on the model's
-own shapes at start-up, and the model uses the fused form only up to the row count
+own weights at start-up (every layer's in turn, as a step reads them: one layer's
+weights would stay in the L2 cache and flatter whichever form reads them best), and the model uses the fused form only up to the row count
 where it wins by a clear margin (`Model.fused_rows`; a near tie goes to the separate
 kernels, so that restarts on one GPU choose alike). The autotuner picks a config per
-(N, K) at the first call (one row, at start-up) and keeps it for up to 16 rows: tuning
-per row count would tune again in the middle of serving.
+(N, K) and form at its first call (one row, at start-up, for the matrix-vector form; the
+first count above GEMV_ROWS for the other) and keeps it for the rows that follow: tuning
+per row count would tune again in the middle of serving. (Triton's autotuner times with
+the L2 cache cleared, as the weights come in a step.)
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -37,6 +47,8 @@ import triton.language as tl
 from compute_plane.kernels import interpreted
 
 MAX_ROWS = 16
+GEMV_ROWS = 4  # steps of at most this many rows: the matrix-vector form
+PLAIN, NORM, SILU = 0, 1, 2  # the op folded in before the product (the kernel's MODE)
 WIN = 0.9  # the fused form is used where it takes at most this share of the separate's time
 AGREE = 0.02  # its outputs' largest difference from the separate's, of their largest value
 
@@ -51,15 +63,23 @@ def _input_rows(x_ptr, r_ptr, rm, rk, mask, stride_x, stride_r, ty, HAS_RES: tl.
     return h
 
 
-def _configs() -> list[triton.Config]:
+def _configs(gemv: bool) -> list[triton.Config]:
+    shapes = (
+        # matrix-vector: few outputs per program (N / BLOCK_N programs: a 1024-row
+        # projection is 256 of them at 4), long K tiles in flight
+        ((2, 1024, 4, 2), (4, 512, 4, 2), (4, 1024, 4, 2), (8, 256, 4, 3), (8, 512, 4, 2),
+         (16, 256, 4, 3), (16, 512, 8, 2))
+        if gemv
+        else ((16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3))
+    )  # fmt: skip
     return [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w, s in ((16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3))
-    ]  # fmt: skip
+        for n, k, w, s in shapes
+    ]
 
 
 def _fused_linear(
-    x_ptr,  # [M, K], or [M, 2K] gate | up (not NORM)
+    x_ptr,  # [M, K], or [M, 2K] gate | up (SILU)
     r_ptr,  # residual [M, K] (HAS_RES)
     h_ptr,  # x + residual [M, K] contiguous, written by program 0 (HAS_RES)
     g_ptr,  # norm weight [K] (NORM)
@@ -73,10 +93,11 @@ def _fused_linear(
     stride_x,
     stride_r,
     stride_w,
-    NORM: tl.constexpr,
+    MODE: tl.constexpr,  # PLAIN, NORM, SILU
     HAS_RES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 operands: exact fp32 products (no tf32)
+    DOT: tl.constexpr,  # the tensor-core form (rows padded to 16); else matrix-vector
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -89,7 +110,7 @@ def _fused_linear(
     rn_w = rn.to(tl.int64)  # row offsets into W pass 2^31 elements on large models
     ty = out_ptr.dtype.element_ty
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # the row's mean square first (and the new residual, once)
+    if MODE == 1:  # NORM: the row's mean square first (and the new residual, once)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
@@ -105,38 +126,49 @@ def _fused_linear(
         rk = k0 + tl.arange(0, BLOCK_K)
         k_mask = rk < K
         mask = m_mask[:, None] & k_mask[None, :]
-        if NORM:
+        if MODE == 1:
             h = _input_rows(x_ptr, r_ptr, rm, rk, mask, stride_x, stride_r, ty, HAS_RES)
             g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
             a = (h * rstd[:, None]).to(ty).to(tl.float32) * g[None, :]
-        else:
+        elif MODE == 2:
             base = x_ptr + rm[:, None] * stride_x + rk[None, :]
             gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
             up = tl.load(base + K, mask=mask, other=0.0).to(tl.float32)
             a = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32) * up
+        else:
+            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0)
+            a = a.to(tl.float32)
         w_ptrs = w_ptr + rn_w[:, None] * stride_w + rk[None, :]
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(a.to(ty), tl.trans(w))
+        if DOT:
+            if IEEE:
+                acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(a.to(ty), tl.trans(w))
+        else:  # each row times the tile, summed along K (the operand rounded as a dot's)
+            a = a.to(ty).to(tl.float32)
+            acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm[:, None] * N + rn[None, :]
     tl.store(out, acc.to(ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# On a GPU each (N, K) is tuned at its first call (the start-up choice, before any CUDA
-# graph is captured); the interpreter runs one config.
-_kernel = (
-    triton.jit(_fused_linear)
-    if interpreted()
-    else triton.autotune(configs=_configs(), key=["N", "K", "NORM"])(triton.jit(_fused_linear))
-)
-_INTERPRETED = {"BLOCK_N": 32, "BLOCK_K": 64}
+# On a GPU each (N, K, op) of each form is tuned at its first call (the start-up choice,
+# before any CUDA graph is captured); the interpreter runs one config.
+def _tuned(gemv: bool) -> Any:
+    kernel = triton.jit(_fused_linear)
+    if interpreted():
+        return kernel
+    return triton.autotune(configs=_configs(gemv), key=["N", "K", "MODE"])(kernel)
+
+
+_gemv_kernel, _dot_kernel = _tuned(True), _tuned(False)
+_INTERPRETED = {True: {"BLOCK_N": 8, "BLOCK_K": 64}, False: {"BLOCK_N": 32, "BLOCK_K": 64}}
 
 
 def _launch(
+    mode: int,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     h: torch.Tensor | None,
@@ -149,6 +181,7 @@ def _launch(
     m = x.shape[0]
     n = weight.shape[0]
     assert m <= MAX_ROWS, f"{m} rows: the fused linear takes at most {MAX_ROWS}"
+    gemv = m <= GEMV_ROWS
     assert weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert weight.dtype == x.dtype, "dense weights in the activations' dtype"
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -158,14 +191,15 @@ def _launch(
     def grid(meta: dict[str, int]) -> tuple[int]:
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-    extra = _INTERPRETED if interpreted() else {}
-    _kernel[grid](
+    extra = _INTERPRETED[gemv] if interpreted() else {}
+    (_gemv_kernel if gemv else _dot_kernel)[grid](
         x, residual if residual is not None else x, h if h is not None else x,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out, m, n, k, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
-        NORM=norm_weight is not None, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        IEEE=x.dtype == torch.float32, BLOCK_M=16, **extra,
+        MODE=mode, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32, DOT=not gemv,
+        BLOCK_M=triton.next_power_of_2(m) if gemv else 16, **extra,
     )  # fmt: skip
     return out
 
@@ -182,20 +216,27 @@ def norm_linear(
     with no residual the second is x itself."""
     k = x.shape[1]
     if residual is None:
-        return _launch(x, None, None, norm_weight, eps, weight, bias, k), x
+        return _launch(NORM, x, None, None, norm_weight, eps, weight, bias, k), x
     assert residual.shape == x.shape and residual.stride(1) == 1
     h = torch.empty(x.shape, dtype=residual.dtype, device=x.device)
-    return _launch(x, residual, h, norm_weight, eps, weight, bias, k), h
+    return _launch(NORM, x, residual, h, norm_weight, eps, weight, bias, k), h
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[M, 2I] gate | up -> (silu(gate) * up) @ weight.T, [M, N], in one launch."""
     two = gate_up.shape[1]
     assert two % 2 == 0
-    return _launch(gate_up, None, None, None, 0.0, weight, None, two // 2)
+    return _launch(SILU, gate_up, None, None, None, 0.0, weight, None, two // 2)
 
 
-def _graph_us(fn: Callable[[], object], reps: int = 10, iters: int = 20) -> float:
+def rows_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[M, K] @ weight.T (+ bias) -> [M, N], the kernel above with nothing folded in."""
+    return _launch(PLAIN, x, None, None, None, 0.0, weight, bias, x.shape[1])
+
+
+def _graph_us(fn: Callable[[], object], reps: int = 2, iters: int = 10) -> float:
     """Microseconds per call of `fn`, `reps` calls captured in a CUDA graph and replayed
     (the cost inside a decode graph, launches included)."""
     fn()
@@ -216,37 +257,61 @@ def _graph_us(fn: Callable[[], object], reps: int = 10, iters: int = 20) -> floa
     return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
+@dataclass(frozen=True)
+class LayerLinears:
+    """One decoder layer's dense weights around its small-step products."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [q + 2 kv, hidden]
+    o: torch.Tensor | None  # [hidden, q] (None: not through rows_linear)
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor | None  # [hidden, I] after silu(gate) * up (None: another activation)
+
+
 def _layer_ops(
-    rows: int,
-    norm_weight: torch.Tensor,
-    after_norm: list[torch.Tensor],
-    down: torch.Tensor | None,
-    eps: float,
+    rows: int, layers: Sequence[LayerLinears], eps: float
 ) -> tuple[Callable[[], list[torch.Tensor]], Callable[[], list[torch.Tensor]]]:
-    """One layer's norms and projections on `rows` random rows, fused and separate: each
-    gives its outputs (per projection after a norm, the product and the new residual; the
-    down projection's product)."""
+    """The layers' norms and projections on `rows` random rows, one layer after another
+    as a step runs them, fused and separate: each gives its outputs (per projection after
+    a norm, the product and the new residual; the o and down projections' products)."""
     from compute_plane.kernels.activation import silu_and_mul
     from compute_plane.kernels.rms_norm import add_rms_norm
 
-    dev, dtype, hidden = norm_weight.device, norm_weight.dtype, norm_weight.shape[0]
+    first = layers[0]
+    dev, dtype, hidden = first.input_norm.device, first.input_norm.dtype, first.qkv.shape[1]
     g = torch.Generator(device=dev).manual_seed(rows)
-    x, r = (torch.randn(rows, hidden, device=dev, generator=g).to(dtype) for _ in range(2))
-    gu = None if down is None else torch.randn(rows, 2 * down.shape[1], device=dev).to(dtype)
+
+    def rand(width: int) -> torch.Tensor:
+        return torch.randn(rows, width, device=dev, generator=g).to(dtype)
+
+    x, r = rand(hidden), rand(hidden)
+    o_in = rand(first.o.shape[1]) if first.o is not None else None
+    gu = rand(2 * first.down.shape[1]) if first.down is not None else None
+    linear = torch.nn.functional.linear
 
     def fused() -> list[torch.Tensor]:
-        outs = [t for w in after_norm for t in norm_linear(x, r, norm_weight, eps, w)]
-        if down is not None and gu is not None:
-            outs.append(silu_mul_linear(gu, down))
+        outs: list[torch.Tensor] = []
+        for la in layers:
+            outs += norm_linear(x, r, la.input_norm, eps, la.qkv)
+            if la.o is not None and o_in is not None:
+                outs.append(rows_linear(o_in, la.o))
+            outs += norm_linear(x, r, la.mlp_norm, eps, la.gate_up)
+            if la.down is not None and gu is not None:
+                outs.append(silu_mul_linear(gu, la.down))
         return outs
 
     def separate() -> list[torch.Tensor]:
-        outs = []
-        for w in after_norm:
-            normed, summed = add_rms_norm(x, r, norm_weight, eps)
-            outs += [torch.nn.functional.linear(normed, w), summed]
-        if down is not None and gu is not None:
-            outs.append(torch.nn.functional.linear(silu_and_mul(gu), down))
+        outs: list[torch.Tensor] = []
+        for la in layers:
+            normed, summed = add_rms_norm(x, r, la.input_norm, eps)
+            outs += [linear(normed, la.qkv), summed]
+            if la.o is not None and o_in is not None:
+                outs.append(linear(o_in, la.o))
+            normed, summed = add_rms_norm(x, r, la.mlp_norm, eps)
+            outs += [linear(normed, la.gate_up), summed]
+            if la.down is not None and gu is not None:
+                outs.append(linear(silu_and_mul(gu), la.down))
         return outs
 
     return fused, separate
@@ -264,26 +329,24 @@ def agree(fused: list[torch.Tensor], separate: list[torch.Tensor]) -> bool:
 
 
 def fused_rows_faster(
-    norm_weight: torch.Tensor,  # [hidden]: a layer's input norm
-    after_norm: list[torch.Tensor],  # the projections after a norm: q|k|v, gate|up [N, hidden]
-    down: torch.Tensor | None,  # [hidden, I]: after silu(gate) * up (None: another activation)
+    layers: Sequence[LayerLinears],
     eps: float,
     sizes: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> tuple[int, list[dict[str, float]]]:
-    """The most rows up to which one layer's fused linears take at most WIN of the time of
-    its separate kernels (add_rms_norm / silu_and_mul, then torch's matmul), both timed
-    inside CUDA graphs on these weights (median of 3) at each row count of `sizes` in
-    turn; 0 where they do not at the first. With the timings (µs per layer, each way).
-    Raises if the two disagree beyond rounding (`agree`) at a row count."""
+    """The most rows up to which the layers' fused linears take at most WIN of the time of
+    their separate kernels (add_rms_norm / silu_and_mul, then torch's matmul), both timed
+    inside CUDA graphs over these layers in turn (median of 3) at each row count of
+    `sizes` in turn; 0 where they do not at the first. With the timings (µs per layer,
+    each way). Raises if the two disagree beyond rounding (`agree`) at a row count."""
     best, timings = 0, []
     for rows in sizes:
-        fused, separate = _layer_ops(rows, norm_weight, after_norm, down, eps)
+        fused, separate = _layer_ops(rows, layers, eps)
         if not agree(fused(), separate()):
             raise RuntimeError(
                 f"the fused linears disagree with the separate kernels ({rows} rows)"
             )
-        f = statistics.median(_graph_us(fused) for _ in range(3))
-        s = statistics.median(_graph_us(separate) for _ in range(3))
+        f = statistics.median(_graph_us(fused) for _ in range(3)) / len(layers)
+        s = statistics.median(_graph_us(separate) for _ in range(3)) / len(layers)
         timings.append({"rows": rows, "fused_us": round(f, 2), "separate_us": round(s, 2)})
         if f > WIN * s:
             break

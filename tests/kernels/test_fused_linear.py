@@ -12,7 +12,13 @@ from tests.kernels.reference import DEVICE, DTYPES, ON_GPU
 pytest.importorskip("triton")
 
 from compute_plane.kernels.activation import silu_and_mul
-from compute_plane.kernels.fused_linear import norm_linear, silu_mul_linear
+from compute_plane.kernels.fused_linear import (
+    GEMV_ROWS,
+    LayerLinears,
+    norm_linear,
+    rows_linear,
+    silu_mul_linear,
+)
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
 
 # a dot of K terms in fp32 (or 16-bit products summed in fp32), rounded once to the dtype
@@ -69,6 +75,22 @@ def test_silu_mul_linear(rows: int, inter: int, n: int, dtype: torch.dtype) -> N
     _check(silu_mul_linear(gate_up, w), silu_and_mul(gate_up), w, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "k", "n", "bias"), [(1, 200, 72, False), (2, 64, 40, True),
+                                                      (4, 130, 33, False), (7, 200, 72, True)])  # fmt: skip
+def test_rows_linear(rows: int, k: int, n: int, bias: bool, dtype: torch.dtype) -> None:
+    x = _rand(rows, k, seed=rows + k, dtype=dtype)
+    w = _rand(n, k, seed=12, dtype=dtype) / k**0.5
+    b = _rand(n, seed=13, dtype=dtype) if bias else None
+    _check(rows_linear(x, w, b), x, w, b)
+
+
+def test_both_forms_are_tested() -> None:
+    """The row counts above meet the matrix-vector form (up to GEMV_ROWS) and the tensor-core
+    one (above it)."""
+    assert 1 < GEMV_ROWS < 5 < 16
+
+
 def test_more_rows_than_the_kernel_takes_is_refused() -> None:
     x = torch.zeros(17, 8, device=DEVICE)
     with pytest.raises(AssertionError, match="at most 16"):
@@ -82,18 +104,27 @@ def test_the_start_up_check_of_agreement(dtype: torch.dtype) -> None:
     off by one part in ten, or a new residual off by one value, does not."""
     from compute_plane.kernels.fused_linear import _layer_ops, agree
 
-    hidden, inter = 96, 160
-    g = _rand(hidden, seed=1, dtype=dtype)
-    qkv = _rand(144, hidden, seed=2, dtype=dtype) / hidden**0.5
-    gate_up = _rand(2 * inter, hidden, seed=3, dtype=dtype) / hidden**0.5
-    down = _rand(hidden, inter, seed=4, dtype=dtype) / inter**0.5
-    fused, separate = _layer_ops(5, g, [qkv, gate_up], down, 1e-6)
-    ours, theirs = fused(), separate()
-    assert len(ours) == 5 and agree(ours, theirs)
-    assert not agree([*ours[:4], ours[4] * 1.1], theirs)
-    bent = ours[1].clone()
-    bent[2, 7] += 1.0  # the new residual stream
-    assert not agree([ours[0], bent, *ours[2:]], theirs)
+    hidden, inter, q = 96, 160, 64
+    layers = [
+        LayerLinears(
+            _rand(hidden, seed=1 + 10 * i, dtype=dtype),
+            _rand(144, hidden, seed=2 + 10 * i, dtype=dtype) / hidden**0.5,
+            _rand(hidden, q, seed=3 + 10 * i, dtype=dtype) / q**0.5,
+            _rand(hidden, seed=4 + 10 * i, dtype=dtype),
+            _rand(2 * inter, hidden, seed=5 + 10 * i, dtype=dtype) / hidden**0.5,
+            _rand(hidden, inter, seed=6 + 10 * i, dtype=dtype) / inter**0.5,
+        )
+        for i in range(2)
+    ]
+    for rows in (GEMV_ROWS, GEMV_ROWS + 1):  # each form
+        fused, separate = _layer_ops(rows, layers, 1e-6)
+        ours, theirs = fused(), separate()
+        assert len(ours) == 12 and agree(ours, theirs)
+        assert not agree([*ours[:5], ours[5] * 1.1, *ours[6:]], theirs)  # a down product
+        bent = ours[1].clone()
+        bent[2, 7] += 1.0  # the new residual stream
+        assert not agree([ours[0], bent, *ours[2:]], theirs)
+        assert not agree([*ours[:2], ours[2] * 0.9, *ours[3:]], theirs)  # the o product
 
 
 @pytest.mark.parametrize("_", [pytest.param(None, marks=ON_GPU, id="cuda")])
@@ -103,13 +134,18 @@ def test_fused_rows_faster_times_both_ways_on_a_gpu(_: None) -> None:
     from compute_plane.kernels.fused_linear import WIN, fused_rows_faster
 
     dtype, hidden, inter = torch.bfloat16, 256, 512
-    g = _rand(hidden, seed=1, dtype=dtype)
-    qkv, gate_up = (
-        _rand(384, hidden, seed=2, dtype=dtype),
-        _rand(2 * inter, hidden, seed=3, dtype=dtype),
-    )
-    down = _rand(hidden, inter, seed=4, dtype=dtype)
-    rows, timings = fused_rows_faster(g, [qkv, gate_up], down, 1e-6)
+    layers = [
+        LayerLinears(
+            _rand(hidden, seed=1, dtype=dtype),
+            _rand(384, hidden, seed=2 + i, dtype=dtype),
+            _rand(hidden, 256, seed=3 + i, dtype=dtype),
+            _rand(hidden, seed=4, dtype=dtype),
+            _rand(2 * inter, hidden, seed=5 + i, dtype=dtype),
+            _rand(hidden, inter, seed=6 + i, dtype=dtype),
+        )
+        for i in range(4)
+    ]
+    rows, timings = fused_rows_faster(layers, 1e-6)
     sizes = [1, 2, 4, 8, 16]
     assert [t["rows"] for t in timings] == sizes[: len(timings)]
     assert all(t["fused_us"] > 0 and t["separate_us"] > 0 for t in timings)
