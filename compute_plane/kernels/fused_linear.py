@@ -63,18 +63,53 @@ def _input_rows(x_ptr, r_ptr, rm, rk, mask, stride_x, stride_r, ty, HAS_RES: tl.
     return h
 
 
+@triton.jit
+def _tile(
+    acc, w, x_ptr, r_ptr, g_ptr, rm, rk, m_mask, K, stride_x, stride_r, rstd, ty,
+    MODE: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
+):  # fmt: skip
+    """acc + the rows' operand (the op folded in, over columns rk) times the W tile w."""
+    k_mask = rk < K
+    mask = m_mask[:, None] & k_mask[None, :]
+    if MODE == 1:
+        h = _input_rows(x_ptr, r_ptr, rm, rk, mask, stride_x, stride_r, ty, HAS_RES)
+        g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+        a = (h * rstd[:, None]).to(ty).to(tl.float32) * g[None, :]
+    elif MODE == 2:
+        base = x_ptr + rm[:, None] * stride_x + rk[None, :]
+        gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(base + K, mask=mask, other=0.0).to(tl.float32)
+        a = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32) * up
+    else:
+        a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0)
+        a = a.to(tl.float32)
+    if DOT:
+        if IEEE:
+            acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a.to(ty), tl.trans(w))
+    else:  # each row times the tile, summed along K (the operand rounded as a dot's)
+        a = a.to(ty).to(tl.float32)
+        acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    return acc
+
+
 def _configs(gemv: bool) -> list[triton.Config]:
     shapes = (
         # matrix-vector: few outputs per program (N / BLOCK_N programs: a 1024-row
-        # projection is 256 of them at 4), long K tiles in flight
-        ((2, 1024, 4, 2), (4, 512, 4, 2), (4, 1024, 4, 2), (8, 256, 4, 3), (8, 512, 4, 2),
-         (16, 256, 4, 3), (16, 512, 8, 2))
+        # projection is 256 of them at 4), long K tiles in flight, the first one read
+        # before the norm's pass or not (on an H200 the 1024-long tiles won each shape)
+        ((2, 1024, 4, 2, False), (4, 512, 4, 2, False), (4, 1024, 4, 2, False),
+         (8, 256, 4, 3, False), (8, 512, 4, 2, False), (16, 256, 4, 3, False),
+         (16, 512, 8, 2, False), (2, 1024, 4, 2, True), (4, 1024, 4, 2, True),
+         (4, 512, 4, 2, True), (8, 512, 4, 2, True), (1, 1024, 4, 2, True))
         if gemv
-        else ((16, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (64, 256, 8, 3))
+        else ((16, 256, 4, 4, False), (32, 128, 4, 4, False), (64, 128, 4, 3, False),
+              (64, 256, 8, 3, False))
     )  # fmt: skip
     return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w, s in shapes
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PRELOAD": p}, num_warps=w, num_stages=s)
+        for n, k, w, s, p in shapes
     ]
 
 
@@ -101,6 +136,7 @@ def _fused_linear(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRELOAD: tl.constexpr,  # the first W tile loaded first (a config's choice)
 ):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -109,6 +145,10 @@ def _fused_linear(
     n_mask = rn < N
     rn_w = rn.to(tl.int64)  # row offsets into W pass 2^31 elements on large models
     ty = out_ptr.dtype.element_ty
+    if PRELOAD:  # the weights' first tile is read while the norm's pass runs (long K tiles)
+        rk0 = tl.arange(0, BLOCK_K)
+        w0_ptrs = w_ptr + rn_w[:, None] * stride_w + rk0[None, :]
+        w0 = tl.load(w0_ptrs, mask=n_mask[:, None] & (rk0 < K)[None, :], other=0.0)
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MODE == 1:  # NORM: the row's mean square first (and the new residual, once)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -122,32 +162,17 @@ def _fused_linear(
             ss += tl.sum(h * h, 1)
         rstd = tl.rsqrt(ss / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = 0
+    if PRELOAD:  # the first tile, its read under way since the start
+        acc = _tile(acc, w0, x_ptr, r_ptr, g_ptr, rm, rk0, m_mask, K, stride_x, stride_r,
+                    rstd, ty, MODE, HAS_RES, IEEE, DOT)  # fmt: skip
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
-        k_mask = rk < K
-        mask = m_mask[:, None] & k_mask[None, :]
-        if MODE == 1:
-            h = _input_rows(x_ptr, r_ptr, rm, rk, mask, stride_x, stride_r, ty, HAS_RES)
-            g = tl.load(g_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
-            a = (h * rstd[:, None]).to(ty).to(tl.float32) * g[None, :]
-        elif MODE == 2:
-            base = x_ptr + rm[:, None] * stride_x + rk[None, :]
-            gate = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(base + K, mask=mask, other=0.0).to(tl.float32)
-            a = (gate / (1.0 + tl.exp(-gate))).to(ty).to(tl.float32) * up
-        else:
-            a = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mask, other=0.0)
-            a = a.to(tl.float32)
         w_ptrs = w_ptr + rn_w[:, None] * stride_w + rk[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT:
-            if IEEE:
-                acc += tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(a.to(ty), tl.trans(w))
-        else:  # each row times the tile, summed along K (the operand rounded as a dot's)
-            a = a.to(ty).to(tl.float32)
-            acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
+        acc = _tile(acc, w, x_ptr, r_ptr, g_ptr, rm, rk, m_mask, K, stride_x, stride_r,
+                    rstd, ty, MODE, HAS_RES, IEEE, DOT)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + rm[:, None] * N + rn[None, :]
@@ -164,7 +189,10 @@ def _tuned(gemv: bool) -> Any:
 
 
 _gemv_kernel, _dot_kernel = _tuned(True), _tuned(False)
-_INTERPRETED = {True: {"BLOCK_N": 8, "BLOCK_K": 64}, False: {"BLOCK_N": 32, "BLOCK_K": 64}}
+_INTERPRETED = {  # (each way of the loop: the first tile first, or all in the loop)
+    True: {"BLOCK_N": 8, "BLOCK_K": 64, "PRELOAD": True},
+    False: {"BLOCK_N": 32, "BLOCK_K": 64, "PRELOAD": False},
+}
 
 
 def _launch(
