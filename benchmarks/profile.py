@@ -20,8 +20,9 @@ together; once they all decode, every step is split into:
   start of step k+1's forward, by events on its stream (StepResult.device_idle_ns): the
   samples' copy out, the inputs' copy in, and any wait for the host to launch the step.
 
-Writes a table (mean and p50 per phase, ms) to stdout and `docs/perf/profile.json`, and a
-timeline of a few steps to `docs/perf/profile_timeline.png`. Timestamps are wall-clock
+Writes a table (mean and p50 per phase, ms) to stdout and `docs/perf/profile.json` (with
+each decode step's marks, `steps`, µs from the first), and a timeline of a few steps to
+`docs/perf/profile_timeline.png`. Timestamps are wall-clock
 (`time.time_ns`) on both processes of one machine. Run it alone on the machine.
 """
 
@@ -140,6 +141,27 @@ def analyse(timeline: list[dict[str, int]], concurrency: int) -> dict[str, Any]:
     return out
 
 
+def raw_steps(timeline: list[dict[str, int]], concurrency: int) -> list[dict[str, float]]:
+    """The decode steps' own records, in µs: marks from the first one's schedule start,
+    durations as measured (what `analyse` averages, kept so that a report of a lent
+    machine answers later questions about single steps)."""
+    steps = [t for t in timeline if t["num_seqs"] == concurrency == t["num_tokens"]]
+    if not steps:
+        return []
+    origin = steps[0]["schedule_start"]
+    durations = ("prepare_ns", "forward_ns", "sample_ns", "device_idle_ns")
+    out = []
+    for t in steps:
+        row: dict[str, float] = {"step_id": t["step_id"]}
+        for key, value in t.items():
+            if key in durations:
+                row[key.removesuffix("_ns") + "_us"] = round(value / 1e3, 1)
+            elif key not in ("step_id", "num_seqs", "num_tokens"):
+                row[key] = round((value - origin) / 1e3, 1)
+        out.append(row)
+    return out
+
+
 def plot(timeline: list[dict[str, int]], concurrency: int, path: Path, count: int = 6) -> None:
     import matplotlib
 
@@ -227,6 +249,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "compute_args": args.compute_arg,
         "async_scheduling": args.async_scheduling,
         "ms": result,
+        "steps": raw_steps(timeline, args.concurrency),
     }
     write_report(args.out, report)
     print(f"{result['decode_steps']} decode steps of {args.concurrency} sequences (ms: mean / p50)")

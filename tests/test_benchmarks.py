@@ -6,6 +6,7 @@ not speed: speed is what the benchmarks themselves report (docs/performance.md).
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -272,6 +273,14 @@ def test_step_timeline_tiny(tmp_path: Path) -> None:
     parts = ms["prepare"]["mean"] + ms["forward"]["mean"] + ms["sample"]["mean"]
     assert parts <= ms["compute_busy"]["mean"]
     assert "device_idle" not in ms  # (CUDA events only)
+    # Each decode step's own marks, in order, with its phases inside it.
+    steps = report["steps"]
+    assert len(steps) >= ms["decode_steps"] and steps[0]["schedule_start"] == 0
+    for a, b in itertools.pairwise(steps):
+        assert a["step_id"] < b["step_id"] and a["compute_received"] <= b["compute_received"]
+    for t in steps:
+        assert t["schedule_start"] <= t["encoded"] <= t["compute_received"] <= t["compute_replied"]
+        assert t["compute_replied"] <= t["result"] <= t["updated"] and t["forward_us"] > 0
 
 
 def test_step_timeline_of_overlapped_steps_takes_the_device_idle_gap() -> None:
