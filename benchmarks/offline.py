@@ -35,7 +35,9 @@ def warmup_work(work: list[Request], n: int = 16, output_len: int = 4) -> list[R
     return [Request(r.prompt, min(output_len, r.output_len)) for r in work[:n]]
 
 
-def run_ours(model: str | OfflineLLM, work: list[Request]) -> dict[str, Any]:
+def run_ours(model: str | OfflineLLM, work: list[Request], warmup: int = 16) -> dict[str, Any]:
+    """The workload through `OfflineLLM` (scheduler and engine in this process), after an
+    untimed round of its first `warmup` prompts (`warmup_work`)."""
     from hetero_infer.offline import OfflineLLM
     from hetero_proto import control_pb2 as pb
 
@@ -47,7 +49,7 @@ def run_ours(model: str | OfflineLLM, work: list[Request]) -> dict[str, Any]:
             for r in reqs
         ]
 
-    warm = warmup_work(work)
+    warm = warmup_work(work, warmup)
     llm.generate([r.prompt for r in warm], params(warm))
     start = time.perf_counter()
     outs = llm.generate([r.prompt for r in work], params(work))
@@ -152,6 +154,7 @@ def run_grpc(
     num_compute: int = 1,
     quiet: bool = True,
     timeout: float | None = None,
+    warmup: int = 16,
 ) -> dict[str, Any]:
     """The workload through the path users deploy: a compute plane and a control plane,
     each its own process, and this process calling the control plane's gRPC `Generate`
@@ -160,7 +163,7 @@ def run_grpc(
     the control plane (data parallel). `quiet`: the planes' logs are dropped (else they
     go to this process's stdout and stderr). `timeout`: seconds from the call by which
     the planes must be serving and the workload finished (TimeoutError, the planes
-    stopped)."""
+    stopped). `warmup`: prompts of the untimed round before (`warmup_work`)."""
     import grpc
 
     from hetero_infer.local import local_planes
@@ -200,7 +203,7 @@ def run_grpc(
                         msg = f"the workload did not finish within {timeout} s"
                         raise TimeoutError(msg) from None
 
-                await all_of(warmup_work(work))  # untimed
+                await all_of(warmup_work(work, warmup))  # untimed
                 start = time.perf_counter()
                 counts = await all_of(work)
                 return time.perf_counter() - start, list(counts)
