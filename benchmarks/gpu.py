@@ -527,7 +527,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "block_size": desc.block_size,
                 "cuda_graphs": llm.engine.graphs is not None,
                 # steps of at most this many tokens run the fused small-batch linears (the
-                # start-up timing of one layer each way, µs, in fused_linear_timings)
+                # start-up timing of every layer each way, µs per layer, in
+                # fused_linear_timings)
                 "fused_rows": llm.engine.model.fused_rows,
                 "fused_linear_timings": llm.engine.fused_linear_timings,
             }

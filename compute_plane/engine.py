@@ -408,7 +408,9 @@ class Engine:
             # down fused with SiLU·up where the model has it and the weight is dense
             down = dense(la.down) if model.fused_silu_linear is not None else None
             layers.append(
-                fused_linear.LayerLinears(la.input_norm, qkv, o, la.mlp_norm, gate_up, down)
+                fused_linear.LayerLinears(
+                    la.input_norm, qkv, o, la.mlp_norm, gate_up, down, la.qkv_bias
+                )
             )
         try:
             model.fused_rows, self.fused_linear_timings = fused_linear.fused_rows_faster(

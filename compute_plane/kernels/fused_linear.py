@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.autotuner import Autotuner
 
 from compute_plane.kernels import interpreted
 
@@ -185,7 +186,9 @@ def _tuned(gemv: bool) -> Any:
     kernel = triton.jit(_fused_linear)
     if interpreted():
         return kernel
-    return triton.autotune(configs=_configs(gemv), key=["N", "K", "MODE"])(kernel)
+    # (BLOCK_M too: the matrix-vector form's [rows, N, K] product grows with the rows; each
+    # row count a small step meets is tuned by the start-up choice, which runs them first)
+    return triton.autotune(configs=_configs(gemv), key=["N", "K", "MODE", "BLOCK_M"])(kernel)
 
 
 _gemv_kernel, _dot_kernel = _tuned(True), _tuned(False)
@@ -205,6 +208,7 @@ def _launch(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     k: int,
+    config: triton.Config | None = None,  # this one, not the autotuner's (tests)
 ) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
@@ -219,8 +223,15 @@ def _launch(
     def grid(meta: dict[str, int]) -> tuple[int]:
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
-    extra = _INTERPRETED[gemv] if interpreted() else {}
-    (_gemv_kernel if gemv else _dot_kernel)[grid](
+    kernel = _gemv_kernel if gemv else _dot_kernel
+    extra: dict[str, Any] = _INTERPRETED[gemv] if interpreted() else {}
+    if config is not None:
+        if isinstance(kernel, Autotuner):
+            kernel = kernel.fn  # the function under the autotuner
+        extra = dict(config.kwargs)
+        if not interpreted():
+            extra |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    kernel[grid](
         x, residual if residual is not None else x, h if h is not None else x,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out, m, n, k, eps,
@@ -295,6 +306,7 @@ class LayerLinears:
     mlp_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 I, hidden]
     down: torch.Tensor | None  # [hidden, I] after silu(gate) * up (None: another activation)
+    qkv_bias: torch.Tensor | None = None  # [q + 2 kv] (Qwen2)
 
 
 def _layer_ops(
@@ -302,9 +314,11 @@ def _layer_ops(
 ) -> tuple[Callable[[], list[torch.Tensor]], Callable[[], list[torch.Tensor]]]:
     """The layers' norms and projections on `rows` random rows, one layer after another
     as a step runs them, fused and separate: each gives its outputs (per projection after
-    a norm, the product and the new residual; the o and down projections' products)."""
+    a norm, the product and the new residual; the o and down projections' products). The
+    first layer's input norm has no residual to add, as in a step: each variant of the
+    kernel a step runs is built and checked here."""
     from compute_plane.kernels.activation import silu_and_mul
-    from compute_plane.kernels.rms_norm import add_rms_norm
+    from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
 
     first = layers[0]
     dev, dtype, hidden = first.input_norm.device, first.input_norm.dtype, first.qkv.shape[1]
@@ -320,8 +334,8 @@ def _layer_ops(
 
     def fused() -> list[torch.Tensor]:
         outs: list[torch.Tensor] = []
-        for la in layers:
-            outs += norm_linear(x, r, la.input_norm, eps, la.qkv)
+        for i, la in enumerate(layers):
+            outs += norm_linear(x, r if i else None, la.input_norm, eps, la.qkv, la.qkv_bias)
             if la.o is not None and o_in is not None:
                 outs.append(rows_linear(o_in, la.o))
             outs += norm_linear(x, r, la.mlp_norm, eps, la.gate_up)
@@ -331,9 +345,12 @@ def _layer_ops(
 
     def separate() -> list[torch.Tensor]:
         outs: list[torch.Tensor] = []
-        for la in layers:
-            normed, summed = add_rms_norm(x, r, la.input_norm, eps)
-            outs += [linear(normed, la.qkv), summed]
+        for i, la in enumerate(layers):
+            if i:
+                normed, summed = add_rms_norm(x, r, la.input_norm, eps)
+            else:
+                normed, summed = rms_norm(x, la.input_norm, eps), x
+            outs += [linear(normed, la.qkv, la.qkv_bias), summed]
             if la.o is not None and o_in is not None:
                 outs.append(linear(o_in, la.o))
             normed, summed = add_rms_norm(x, r, la.mlp_norm, eps)

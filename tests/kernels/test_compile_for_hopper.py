@@ -38,12 +38,19 @@ attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in
 done = []
 for gemv in (True, False):
     for i, cfg in enumerate(fl._configs(gemv)):
+        # every op with the first config, the norm after it (the longest code); the
+        # matrix-vector form at 1, 2 and 4 rows by turns; the norm with a residual or not
         modes = (fl.PLAIN, fl.NORM, fl.SILU) if i == 0 else (fl.NORM,)
         for mode in modes:
-            consts = dict(MODE=mode, HAS_RES=mode == fl.NORM, HAS_BIAS=mode == fl.PLAIN,
-                          IEEE=False, DOT=not gemv, BLOCK_M=2 if gemv else 16, **cfg.kwargs)
+            consts = dict(MODE=mode, HAS_RES=mode == fl.NORM and i % 2 == 0,
+                          HAS_BIAS=mode == fl.PLAIN or i % 3 == 1, IEEE=False, DOT=not gemv,
+                          BLOCK_M=(1, 2, 4)[i % 3] if gemv else 16, **cfg.kwargs)
             s = dict(sig) | {k: "constexpr" for k in consts}
-            src = ASTSource(fl._gemv_kernel.fn, s, constexprs=consts, attrs=attrs)
+            try:
+                src = ASTSource(fl._gemv_kernel.fn, s, constexprs=consts, attrs=attrs)
+            except TypeError as e:  # another Triton's ASTSource (3.2 took constants=)
+                print(json.dumps({"skip": f"ASTSource: {e}"}))
+                sys.exit(0)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
             assert k.asm["cubin"], consts

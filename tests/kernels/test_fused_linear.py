@@ -85,10 +85,37 @@ def test_rows_linear(rows: int, k: int, n: int, bias: bool, dtype: torch.dtype) 
     _check(rows_linear(x, w, b), x, w, b)
 
 
-def test_both_forms_are_tested() -> None:
-    """The row counts above meet the matrix-vector form (up to GEMV_ROWS) and the tensor-core
-    one (above it)."""
-    assert 1 < GEMV_ROWS < 5 < 16
+@pytest.mark.parametrize("gemv", [True, False], ids=["matrix-vector", "tensor-core"])
+def test_every_config_the_autotuner_may_pick(gemv: bool) -> None:
+    """Each config of each form, not only the one the autotuner picks here (the interpreter
+    runs one config, the GPU the fastest): every op folded in by turns, a K shorter than
+    the K tile (the preloaded first tile is the whole row) and one of several tiles, and
+    row counts on the form's side of GEMV_ROWS."""
+    from compute_plane.kernels.fused_linear import NORM, PLAIN, SILU, _configs, _launch
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    rows = (1, 3) if gemv else (GEMV_ROWS + 3,)
+    assert all(r <= GEMV_ROWS for r in rows) == gemv
+    for i, config in enumerate(_configs(gemv)):
+        mode, k, n = (NORM, SILU, PLAIN)[i % 3], (40, 200)[i % 2], 36
+        for m in rows:
+            w = _rand(n, k, seed=i, dtype=dtype) / k**0.5
+            b = _rand(n, seed=i + 1, dtype=dtype) if mode == PLAIN else None
+            if mode == SILU:
+                x = _rand(m, 2 * k, seed=m, dtype=dtype)
+                out = _launch(SILU, x, None, None, None, 0.0, w, None, k, config)
+                _check(out, silu_and_mul(x), w, None)
+                continue
+            x = _rand(m, k, seed=m, dtype=dtype)
+            if mode == PLAIN:
+                _check(_launch(PLAIN, x, None, None, None, 0.0, w, b, k, config), x, w, b)
+                continue
+            r, g = _rand(m, k, seed=m + 5, dtype=dtype), _rand(k, seed=3, dtype=dtype)
+            h = torch.empty_like(x)
+            out = _launch(NORM, x, r, h, g, 1e-6, w, None, k, config)
+            normed, summed = add_rms_norm(x, r, g, 1e-6)
+            assert torch.equal(h, summed), config
+            _check(out, normed, w, None)
 
 
 def test_more_rows_than_the_kernel_takes_is_refused() -> None:
@@ -113,6 +140,7 @@ def test_the_start_up_check_of_agreement(dtype: torch.dtype) -> None:
             _rand(hidden, seed=4 + 10 * i, dtype=dtype),
             _rand(2 * inter, hidden, seed=5 + 10 * i, dtype=dtype) / hidden**0.5,
             _rand(hidden, inter, seed=6 + 10 * i, dtype=dtype) / inter**0.5,
+            _rand(144, seed=7 + 10 * i, dtype=dtype),  # a qkv bias
         )
         for i in range(2)
     ]
@@ -121,9 +149,10 @@ def test_the_start_up_check_of_agreement(dtype: torch.dtype) -> None:
         ours, theirs = fused(), separate()
         assert len(ours) == 12 and agree(ours, theirs)
         assert not agree([*ours[:5], ours[5] * 1.1, *ours[6:]], theirs)  # a down product
-        bent = ours[1].clone()
+        bent = ours[4].clone()
         bent[2, 7] += 1.0  # the new residual stream
-        assert not agree([ours[0], bent, *ours[2:]], theirs)
+        assert not agree([*ours[:4], bent, *ours[5:]], theirs)
+        assert not agree([ours[0] - layers[0].qkv_bias, *ours[1:]], theirs)  # the bias
         assert not agree([*ours[:2], ours[2] * 0.9, *ours[3:]], theirs)  # the o product
 
 
