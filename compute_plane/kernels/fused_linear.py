@@ -15,22 +15,23 @@ between the two. Up to `GEMV_ROWS` rows the products are a matrix-vector form (e
 weight tile multiplied into each row and summed along K on the CUDA cores: a decode
 step of one sequence reads each weight once, with many small programs to keep the
 memory busy); above, the rows are padded to 16 (`tl.dot`'s least M) and the tile goes
-through the tensor cores; `MAX_ROWS` rows at most. The input's roundings are the separate ops': the sum is rounded to the dtype (it
-is the new residual), normalised in fp32, rounded, scaled by the weight; silu(gate) is
-rounded before the product. The orders of summation differ (the mean square in
-blocks of the row, the dot's from cuBLAS's), so results agree to rounding, not bit for
-bit: steps of at most `Model.fused_rows` tokens round differently from larger ones.
+through the tensor cores; `MAX_ROWS` rows at most. The input's roundings are the
+separate ops': the sum is rounded to the dtype (it is the new residual), normalised in
+fp32, rounded, scaled by the weight; silu(gate) is rounded before the product. The
+orders of summation differ (the mean square in blocks of the row, the dot's from
+cuBLAS's), so results agree to rounding, not bit for bit: steps of at most
+`Model.fused_rows` tokens round differently from larger ones.
 
 Whether the fused form is faster than the norm kernel + cuBLAS depends on the GPU and
 the shapes: `fused_rows_faster` times both, captured in CUDA graphs, on the model's
 own weights at start-up (every layer's in turn, as a step reads them: one layer's
-weights would stay in the L2 cache and flatter whichever form reads them best), and the model uses the fused form only up to the row count
-where it wins by a clear margin (`Model.fused_rows`; a near tie goes to the separate
-kernels, so that restarts on one GPU choose alike). The autotuner picks a config per
-(N, K) and form at its first call (one row, at start-up, for the matrix-vector form; the
-first count above GEMV_ROWS for the other) and keeps it for the rows that follow: tuning
-per row count would tune again in the middle of serving. (Triton's autotuner times with
-the L2 cache cleared, as the weights come in a step.)
+weights would stay in the L2 cache and flatter whichever form reads them best), and
+the model uses the fused form only up to the row count where it wins by a clear margin
+(`Model.fused_rows`; a near tie goes to the separate kernels, so that restarts on one
+GPU choose alike). The autotuner picks a config per (N, K, op, row block) of each form
+at its first call; the start-up choice makes that call for each row count it times,
+before any CUDA graph is captured, so serving the counts it chose tunes nothing.
+(Triton's autotuner times with the L2 cache cleared, as the weights come in a step.)
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def _fused_linear(
     tl.store(out, acc.to(ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# On a GPU each (N, K, op) of each form is tuned at its first call (the start-up choice,
+# On a GPU each (N, K, op, row block) of each form is tuned at its first call (the start-up choice,
 # before any CUDA graph is captured); the interpreter runs one config.
 def _tuned(gemv: bool) -> Any:
     kernel = triton.jit(_fused_linear)
