@@ -181,8 +181,8 @@ def _fused_linear(
     tl.store(out, acc.to(ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# On a GPU each (N, K, op, row block) of each form is tuned at its first call (the start-up choice,
-# before any CUDA graph is captured); the interpreter runs one config.
+# On a GPU each (N, K, op, row block) of each form is tuned at its first call (the
+# start-up choice, before any CUDA graph is captured); the interpreter runs one config.
 def _tuned(gemv: bool) -> Any:
     kernel = triton.jit(_fused_linear)
     if interpreted():
