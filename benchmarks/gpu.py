@@ -16,11 +16,12 @@ Four parts, each against what the hardware allows:
 3. **Throughput**: 256 requests, prompts and outputs uniform in 100-1024 tokens,
    EOS ignored, through `OfflineLLM` (scheduler + engine in one process), then through
    the path users deploy: a compute-plane process driven over gRPC by a control-plane
-   process with the default flags (on CUDA: async scheduling, overlapped steps), then
+   process with the default flags (on CUDA: async scheduling two steps ahead, overlapped
+   steps), then one step ahead (`--steps-ahead 1`, the default before 2026-11-26), then
    planning one step at a time (`--no-async-scheduling`), then with the compute plane's
    overlapped steps off (`--overlap-steps off`)
-   (`paths.<in_process|grpc|grpc_one_step_at_a_time|grpc_no_overlap>.output_tok_s`, and
-   each gRPC path's ratio to in-process).
+   (`paths.<in_process|grpc|grpc_one_step_ahead|grpc_one_step_at_a_time|grpc_no_overlap>
+   .output_tok_s`, and each gRPC path's ratio to in-process).
 4. **Quantized weights** (`--quantization fp8|int8`, [L]): the same model with its layer
    matrices in FP8 (`torch._scaled_mm`, activations per token) and weight-only INT8:
    in-process throughput on the same workload and the decode step at batch 1/64/256,
@@ -421,7 +422,8 @@ def _error_line() -> str:
 
 
 GRPC_PATHS: list[tuple[str, tuple[str, ...], tuple[str, ...]]] = [
-    ("grpc", (), ()),  # the defaults: async scheduling and overlapped steps on CUDA
+    ("grpc", (), ()),  # the defaults: async scheduling 2 ahead, overlapped steps on CUDA
+    ("grpc_one_step_ahead", ("--steps-ahead", "1"), ()),
     ("grpc_one_step_at_a_time", ("--no-async-scheduling",), ()),
     # the compute plane finishing each step before launching the next (as before [M])
     ("grpc_no_overlap", (), ("--overlap-steps", "off")),

@@ -3,6 +3,7 @@
     python -m benchmarks.profile                    # CPU, bundled model, 32 sequences
     python -m benchmarks.profile --concurrency 8 --compute-arg=--device=cuda
     python -m benchmarks.profile --concurrency 1 --async-scheduling --out docs/perf/profile_async_1.json
+    python -m benchmarks.profile --concurrency 1 --async-scheduling --steps-ahead 2
 
 The compute plane runs as its own process (over gRPC, as deployed); the control plane's
 engine runs in this process so that its step loop can be timed. `--concurrency`
@@ -57,6 +58,7 @@ async def _run(
     output_len: int,
     compute_args: list[str],
     async_scheduling: bool | None = None,
+    steps_ahead: int | None = None,
 ) -> list[dict[str, int]]:
     from control_plane.config import ControlConfig
     from control_plane.engine import ControlEngine
@@ -69,7 +71,12 @@ async def _run(
     args = ["--log-level", "WARNING", "compute-plane", "--model", model, "--port", str(port)]
     with child([*args, "--metrics-port", "-1", *compute_args], address):
         engine = ControlEngine(
-            ControlConfig(compute=address, model=model, async_scheduling=async_scheduling),
+            ControlConfig(
+                compute=address,
+                model=model,
+                async_scheduling=async_scheduling,
+                steps_ahead=steps_ahead,
+            ),
             load_tokenizer(Path(model)),
         )
         await engine.start()
@@ -234,12 +241,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=None,
         help="the control plane plans steps ahead (default: its own, on for a GPU)",
     )
+    ap.add_argument(
+        "--steps-ahead",
+        type=int,
+        default=None,
+        help="with async scheduling, steps planned beyond the one awaited (default: the "
+        "control plane's own, 2 for a GPU)",
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/profile.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/perf/profile_timeline.png"))
     args = ap.parse_args(argv)
     model = args.model or str(bundled_gguf())
     timeline = asyncio.run(
-        _run(model, args.concurrency, args.output_len, args.compute_arg, args.async_scheduling)
+        _run(
+            model,
+            args.concurrency,
+            args.output_len,
+            args.compute_arg,
+            args.async_scheduling,
+            args.steps_ahead,
+        )
     )
     result = analyse(timeline, args.concurrency)
     report = {
@@ -248,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "concurrency": args.concurrency,
         "compute_args": args.compute_arg,
         "async_scheduling": args.async_scheduling,
+        "steps_ahead": args.steps_ahead,
         "ms": result,
         "steps": raw_steps(timeline, args.concurrency),
     }

@@ -154,12 +154,15 @@ class BlockManager:
         return [b.block_id for b in new]
 
     def cache_computed(self, req: Request) -> None:
-        """Index blocks that became full and computed (call after each step)."""
+        """Index blocks that became full and computed (call after each step). With steps
+        in flight (async scheduling) a block is indexed once its tokens are known: with
+        two or more ahead, positions counted as computed can still hold a placeholder."""
         rid = req.request_id
         table = self._tables[rid]
         bs = self.block_size
         done = self._num_hashed[rid]
-        full = min(req.num_computed_tokens // bs, len(table))
+        known = min(req.num_computed_tokens, len(req.token_ids) - req.num_pending)
+        full = min(known // bs, len(table))
         if full <= done:
             return  # no block became full since the last call
         parent = self._last_hash[rid]

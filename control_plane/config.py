@@ -9,6 +9,9 @@ from hetero_common.discovery import targets
 from hetero_common.server_config import GrpcServerConfig
 from hetero_common.tls import ClientTLS
 
+# Steps planned beyond the one awaited, at most (each adds a step's latency to a stop).
+MAX_STEPS_AHEAD = 4
+
 
 @dataclass(frozen=True)
 class ControlConfig(GrpcServerConfig):
@@ -93,6 +96,18 @@ class ControlConfig(GrpcServerConfig):
             "in-process engine"
         },
     )
+    steps_ahead: int | None = field(
+        default=None,
+        metadata={
+            "help": "with async scheduling, how many steps are planned and sent beyond the "
+            "one whose result is awaited (1 to 4): with 2, step k+2 leaves when step k's "
+            "result arrives, so the round trip (result back, plan, send, the compute plane's "
+            "input build) has two device steps to hide behind instead of one. EOS, stop "
+            "strings and max_tokens then end a request up to N steps late; the tokens "
+            "sampled for it meanwhile are dropped. Unset: 2 for a compute plane on a GPU, 1 "
+            "else"
+        },
+    )
     speculative: str | None = field(
         default=None,
         metadata={
@@ -161,6 +176,11 @@ class ControlConfig(GrpcServerConfig):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps_ahead is not None and not 1 <= self.steps_ahead <= MAX_STEPS_AHEAD:
+            raise ValueError(
+                f"steps_ahead must be 1 to {MAX_STEPS_AHEAD}, got {self.steps_ahead} "
+                "(--no-async-scheduling plans one step at a time)"
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_num_blocks is not None and self.max_num_blocks < 2:

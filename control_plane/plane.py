@@ -89,6 +89,17 @@ def plans_ahead(setting: bool | None, device: str, concurrent: bool) -> bool:
     return concurrent and device.startswith("cuda")
 
 
+def steps_ahead(setting: int | None, device: str) -> int:
+    """With async scheduling, the steps planned beyond the one awaited: as set, or when
+    unset 2 for a GPU (step k+2 leaves when step k's result arrives: the round trip and the
+    compute plane's input build hide behind two device steps, where on the H200 one step
+    of a 0.6B model, 1-1.6 ms, left the device idle a quarter of the time) and 1 for a
+    CPU, whose step is long beside the round trip."""
+    if setting is not None:
+        return setting
+    return 2 if device.startswith("cuda") else 1
+
+
 class ComputePlane:
     def __init__(self, engine: ControlEngine, link: ComputeLink) -> None:
         self.engine = engine
@@ -108,13 +119,15 @@ class ComputePlane:
         # --async-scheduling, resolved at each attach (unset: on when the compute plane
         # runs on a GPU, in another process)
         self.async_scheduling = False
+        self.steps_ahead = 1  # --steps-ahead, resolved at each attach
         self.leaving = False  # gone from the list of compute planes: hand requests over
         self.refused = False  # its last attach found another control plane driving it
         # Requests kept across a compute-plane failure, in re-admission order, with the
         # request whose prompt blocks they fork (n > 1) or None.
         self._parked: list[tuple[Request, Request | None]] = []
-        # The steps sent whose results are not back, oldest first: one, or two with async
-        # scheduling (the next one planned while the compute plane runs the first).
+        # The steps sent whose results are not back, oldest first: one, or with async
+        # scheduling up to 1 + steps_ahead (the next ones planned while the compute plane
+        # runs the first).
         self._in_flight: deque[SchedulerOutput] = deque()
         # Per step in flight: whether it was counted ahead (Scheduler.advance, resolved when
         # its result comes) or is applied as planned one at a time (Scheduler.update, which
@@ -218,6 +231,7 @@ class ComputePlane:
         self.async_scheduling = plans_ahead(
             self.engine.config.async_scheduling, d.device, self.client.concurrent
         )
+        self.steps_ahead = steps_ahead(self.engine.config.steps_ahead, d.device)
         self.engine.grammars.bind(d.vocab_size, self.bounds().eos_token_ids)
         self._compute_draining = False
         self._readmit()
@@ -235,7 +249,7 @@ class ComputePlane:
             num_blocks,
             d.block_size,
             max_len,
-            "on" if self.async_scheduling else "off",
+            f"on ({self.steps_ahead} steps ahead)" if self.async_scheduling else "off",
         )
 
     def _speculator(self, d: cpb.DescribeResponse) -> Speculator | None:
@@ -351,13 +365,15 @@ class ComputePlane:
         """Schedule, send the step, and while it runs turn the previous step's tokens into
         responses (detokenising, stop strings): output processing overlaps the compute
         plane's step instead of delaying the next one, as in vLLM's async output
-        processing. A stop string found there ends its request one step late: that
-        step's token for it is dropped, never sent or counted.
+        processing. A stop string found there ends its request one step late (or more,
+        with steps planned ahead): the tokens sampled for it since are dropped, never sent
+        or counted.
 
-        With async scheduling the next step is planned and sent before the result of the
-        one in flight (Scheduler.advance / resolve): the compute plane finds it queued when
-        it finishes a step, so it never waits for the control plane's round trip. EOS and
-        max_tokens then also end a request a step late (that step's token is dropped).
+        With async scheduling the next steps are planned and sent before the result of the
+        one in flight (Scheduler.advance / resolve), up to `steps_ahead` of them: the
+        compute plane finds the next one queued when it finishes a step, so it never waits
+        for the control plane's round trip. EOS and max_tokens then also end a request up
+        to `steps_ahead` steps late (the tokens sampled for it meanwhile are dropped).
         Steps that need the previous step's tokens (grammar masks, speculative proposals)
         are planned with nothing in flight."""
         sched = self.scheduler
@@ -421,8 +437,12 @@ class ComputePlane:
                 ready = None
             if mark is not None:
                 mark[4] = time.time_ns()
-                if len(in_flight) == 1 and advanced[-1] and self._may_look_ahead(sched):
-                    continue  # plan the next step while this one runs
+                if (
+                    len(in_flight) <= self.steps_ahead
+                    and advanced[-1]
+                    and self._may_look_ahead(sched)
+                ):
+                    continue  # plan the next step while those in flight run
             result = await self.client.receive()
             t_result = time.time_ns()
             done = in_flight.popleft()

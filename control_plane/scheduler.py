@@ -16,7 +16,8 @@ as computed and gives each request that samples in it a PENDING_TOKEN (the compu
 decodes the real one next without being told), `schedule(lookahead=True)` plans over
 that, and `resolve(k)` writes the sampled tokens over the placeholders when the result
 arrives, ending requests there (EOS, max_tokens); a token a request samples in a step
-planned before it ended is dropped. A lookahead step preempts nothing and proposes
+planned before it ended is dropped. Several steps may be in flight (`--steps-ahead`): a
+request then holds one placeholder per step that samples for it. A lookahead step preempts nothing and proposes
 nothing: a request that needs a block the pool cannot give waits, and `needs_sync` asks
 for the next step to be planned with nothing in flight.
 """
@@ -428,8 +429,8 @@ class Scheduler:
                     continue
                 tokens.extend([PENDING_TOKEN] * (pending - 1))
                 req.num_pending = pending - 1
-            # Positions up to num_computed_tokens hold known tokens now: the placeholder
-            # of a step still in flight sits after them.
+            # Blocks of known tokens are indexed (with two or more steps in flight, a
+            # position counted as computed may still hold a placeholder: not those).
             cache_computed(req)
             if window:
                 release(req)

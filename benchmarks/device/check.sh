@@ -20,6 +20,8 @@
 #           device's idle gap between steps (CUDA events), into $OUT/profile_gpu*.json
 #           (capped: $PROFILE_TIMEOUT, 150). Last: within one 540 s call it runs only if
 #           the stages before finish early; `check.sh profile` is a call of its own.
+#           PROFILE_AHEAD1=1 also runs each with --steps-ahead 1 (profile_gpu_*_ahead1.json,
+#           no plot): the device's idle time two steps ahead (the default) and one.
 #   steps   not in `all`: the engine's start-up choice of the small-step linears
 #           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256,
 #           into $OUT/steps.json (a short call after a kernel change)
@@ -76,6 +78,12 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
         for n in 32 1; do
           python3 -m benchmarks.profile --model /tmp/qwen3-0.6b-random --concurrency "$n" \
             --out "$OUT/profile_gpu_$n.json" --plot "$OUT/profile_gpu_$n.png" || exit 1
+          # PROFILE_AHEAD1=1: also one step ahead (the default before 2026-11-26), no plot
+          if [ -n "${PROFILE_AHEAD1:-}" ]; then
+            python3 -m benchmarks.profile --model /tmp/qwen3-0.6b-random --concurrency "$n" \
+              --steps-ahead 1 --out "$OUT/profile_gpu_${n}_ahead1.json" \
+              --plot "/tmp/profile_gpu_${n}_ahead1.png" || exit 1
+          fi
         done' 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;

@@ -126,7 +126,10 @@ def _run_sync(reqs: list[Request], num_blocks: int, salt: int) -> Scheduler:
     return sched
 
 
-def _run_async(reqs: list[Request], num_blocks: int, salt: int) -> tuple[Scheduler, int]:
+def _run_async(
+    reqs: list[Request], num_blocks: int, salt: int, ahead: int = 1
+) -> tuple[Scheduler, int]:
+    """As the control plane's loop: up to `ahead` steps planned beyond the one awaited."""
     sched = _scheduler(num_blocks)
     cp = _ComputePlane(salt)
     for r in reqs:
@@ -136,14 +139,14 @@ def _run_async(reqs: list[Request], num_blocks: int, salt: int) -> tuple[Schedul
     for _ in range(4000):
         if not (sched.has_work or in_flight):
             break
-        if not in_flight or (len(in_flight) == 1 and not sched.needs_sync):
+        if not in_flight or (len(in_flight) <= ahead and not sched.needs_sync):
             out = sched.schedule(lookahead=bool(in_flight))
             if not out.empty:
                 overlapped += bool(in_flight)
                 in_flight.append((out, _snapshot(out)))
                 sched.advance(out)
-                if len(in_flight) == 1:
-                    continue  # plan the next one before this one's result
+                if len(in_flight) <= ahead:
+                    continue  # plan the next one before the result of those in flight
         assert in_flight, "work left, nothing planned and nothing in flight"
         done, step = in_flight.popleft()
         sampled = cp.run(step)
@@ -154,15 +157,17 @@ def _run_async(reqs: list[Request], num_blocks: int, salt: int) -> tuple[Schedul
     return sched, overlapped
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.integers(0, 2**32), st.integers(5, 40))
-def test_async_schedule_gives_the_tokens_of_the_sync_one(seed: int, num_blocks: int) -> None:
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32), st.integers(5, 40), st.integers(1, 3))
+def test_async_schedule_gives_the_tokens_of_the_sync_one(
+    seed: int, num_blocks: int, ahead: int
+) -> None:
     rng = random.Random(seed)
     n = rng.randrange(1, 8)
     salt = rng.randrange(1000)
     sync_reqs, async_reqs = _requests(random.Random(seed), n), _requests(random.Random(seed), n)
     _run_sync(sync_reqs, num_blocks, salt)
-    sched, _ = _run_async(async_reqs, num_blocks, salt)
+    sched, _ = _run_async(async_reqs, num_blocks, salt, ahead)
     assert not sched.has_work
     for a, b in zip(sync_reqs, async_reqs, strict=True):
         assert b.status.finished and b.num_pending == 0
@@ -172,12 +177,13 @@ def test_async_schedule_gives_the_tokens_of_the_sync_one(seed: int, num_blocks: 
     assert sched.block_manager.num_free_blocks == num_blocks - 1
 
 
-def test_steps_overlap_and_preemption_still_happens() -> None:
+@pytest.mark.parametrize(("ahead", "seed", "num_blocks"), [(1, 3, 9), (2, 4, 8)])
+def test_steps_overlap_and_preemption_still_happens(ahead: int, seed: int, num_blocks: int) -> None:
     """A tight pool: lookahead steps leave requests short of blocks (needs_sync), the
     next planned step preempts; most steps are still planned with one in flight."""
-    reqs, sync_reqs = _requests(random.Random(3), 7), _requests(random.Random(3), 7)
-    sync = _run_sync(sync_reqs, 9, salt=5)
-    sched, overlapped = _run_async(reqs, 9, salt=5)
+    reqs, sync_reqs = _requests(random.Random(seed), 7), _requests(random.Random(seed), 7)
+    sync = _run_sync(sync_reqs, num_blocks, salt=5)
+    sched, overlapped = _run_async(reqs, num_blocks, salt=5, ahead=ahead)
     assert sync.num_preemptions > 0 and sched.num_preemptions > 0
     assert overlapped > 10
     assert [r.output_token_ids for r in reqs] == [r.output_token_ids for r in sync_reqs]
@@ -246,3 +252,33 @@ def test_ending_a_request_with_steps_in_flight_forgets_their_tokens(where: str) 
     assert s2 == s3 == {}
     sched.block_manager.check_integrity()
     assert sched.block_manager.num_free_blocks == 15
+
+
+def test_two_steps_ahead_index_only_known_tokens_for_the_prefix_cache() -> None:
+    """With two steps planned ahead, a block can be counted as computed while its last
+    position still holds the placeholder of a step in flight: it is indexed for the
+    prefix cache when its token is known, under the tokens' own hash, so a later prompt
+    that repeats the request's text finds it."""
+    sched = _scheduler(16)
+    req = Request("a", [1, 2], 3, eos_token_ids=frozenset({EOS}))
+    sched.add_request(req)
+    outs = []
+    for lookahead in (False, True, True):  # prefill, then two decodes planned ahead
+        outs.append(out := sched.schedule(lookahead=lookahead))
+        sched.advance(out)
+    assert req.token_ids == [1, 2, PENDING_TOKEN, PENDING_TOKEN, PENDING_TOKEN]
+    assert req.num_computed_tokens == 4  # block 0 (positions 0-3) counted as computed
+    sched.resolve(outs[0], {"a": 3})
+    assert req.token_ids == [1, 2, 3, PENDING_TOKEN, PENDING_TOKEN]
+    bm = sched.block_manager
+    assert bm._num_hashed["a"] == 0, "a block holding a placeholder was indexed"
+    sched.resolve(outs[1], {"a": 4})
+    assert bm._num_hashed["a"] == 1  # its tokens known now: [1, 2, 3, 4]
+    assert sched.resolve(outs[2], {"a": 5}) == [req]  # max_tokens
+    assert req.output_token_ids == [3, 4, 5]
+    sched.schedule()  # (frees its blocks)
+    again = Request("b", [1, 2, 3, 4, 5, 6], 1, eos_token_ids=frozenset({EOS}))
+    sched.add_request(again)
+    out = sched.schedule()
+    assert out.new[0].num_computed_tokens == BS, "the prefix cache missed the known block"
+    bm.check_integrity()

@@ -3,7 +3,7 @@
 result arrives. Greedy text equals that without it, byte for byte, over 40 prompts with stop
 strings, max_tokens cut-offs and logprobs in a KV pool small enough to preempt, also with the
 compute plane launching each step before the previous one finished (`--overlap-steps on`,
-the default on CUDA); and with the compute plane killed mid-stream
+the default on CUDA) and two steps planned ahead (`--steps-ahead 2`, the default on CUDA); and with the compute plane killed mid-stream
 (tests/e2e/test_failover.py runs both ways)."""
 
 from __future__ import annotations
@@ -70,12 +70,13 @@ def test_overlapped_compute_steps_keep_greedy_text(
     sequential: tuple[list[Any], pb.EngineStats],
 ) -> None:
     """The compute plane launches step k + 1 (its decode inputs the samples of step k,
-    taken on the device) before it finishes step k: the text equals the sequential run's."""
+    taken on the device) before it finishes step k, with two steps planned ahead, as on a
+    GPU by default: the text equals the sequential run's."""
     plain = sequential[0]
     metrics_port = free_port()
     args = ("--kv-cache-bytes", str(96 << 20), "--overlap-steps", "on")
     with compute_plane(*args, metrics_port=metrics_port) as overlapping:
-        got, stats = _run(overlapping, "--async-scheduling")
+        got, stats = _run(overlapping, "--async-scheduling", "--steps-ahead", "2")
         launched = _steps(metrics_port, "hetero_compute_steps_total", "overlapped")
     _same(got, plain)
     assert stats.num_preemptions > 0

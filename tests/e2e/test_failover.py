@@ -28,8 +28,9 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_streams_survive_a_compute_plane_crash(async_scheduling: bool) -> None:
-    """With async scheduling two steps are in flight when the compute plane dies: the
-    tokens they would have sampled are forgotten, and the requests resume from the rest."""
+    """With async scheduling three steps are in flight when the compute plane dies (two
+    planned ahead, as on a GPU): the tokens they would have sampled are forgotten, and the
+    requests resume from the rest."""
     kport, cport = free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
     compute_cmd = [
@@ -49,7 +50,8 @@ def test_streams_survive_a_compute_plane_crash(async_scheduling: bool) -> None:
         compute,
         "--metrics-port",
         "0",
-        "--async-scheduling" if async_scheduling else "--no-async-scheduling",
+        *(("--async-scheduling", "--steps-ahead", "2") if async_scheduling else ()),
+        *(() if async_scheduling else ("--no-async-scheduling",)),
     ]
     with (
         child(compute_cmd, compute) as kproc,
