@@ -22,6 +22,10 @@
 #           the stages before finish early; `check.sh profile` is a call of its own.
 #           PROFILE_AHEAD1=1 also runs each with --steps-ahead 1 (profile_gpu_*_ahead1.json,
 #           no plot): the device's idle time two steps ahead (the default) and one.
+#   variants not in `all`: python -m benchmarks.gpu_variants, the batch-1 step's kernels by
+#           config and split count (the linears' matrix-vector configs and candidates,
+#           decode attention's splits) into $OUT/gpu_variants.json (capped:
+#           $VARIANTS_TIMEOUT, 150): what to change next for batch 1 <= 0.8 ms
 #   steps   not in `all`: the engine's start-up choice of the small-step linears
 #           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256,
 #           into $OUT/steps.json (a short call after a kernel change)
@@ -85,6 +89,11 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
               --plot "/tmp/profile_gpu_${n}_ahead1.png" || exit 1
           fi
         done' 2>&1 | tee -a "$OUT/check.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    variants)
+      timeout -s INT -k 30 "${VARIANTS_TIMEOUT:-150}" python3 -m benchmarks.gpu_variants \
+        --out "$OUT/gpu_variants.json" 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     steps)
