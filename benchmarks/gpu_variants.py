@@ -63,23 +63,12 @@ CANDIDATES = [
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16  # Qwen3-0.6B's attention, our block size
 
 
-def graph_us(fn: Callable[[], object], per_call: int, iters: int = 20) -> float:
+def graph_us(fn: Callable[[], object], per_call: int) -> float:
     """µs per launch: `fn` (which makes `per_call` launches) captured in a CUDA graph and
-    replayed `iters` times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * per_call)
+    replayed (as the start-up choice of the small-step linears times them)."""
+    from compute_plane.kernels.fused_linear import _graph_us
+
+    return _graph_us(fn, reps=1, iters=20) / per_call
 
 
 def clock_us(fn: Callable[[], object], per_call: int, iters: int = 1) -> float:
