@@ -16,8 +16,8 @@ left in the L2 cache by the one before), in µs per launch and GB/s of what it m
    far the best is from the copy bandwidth.
 2. `attention`: decode attention of 1 sequence (Qwen3-0.6B's heads) at a context of
    512 and 4096 by split count, from 1 to the count the CUDA graphs use (sized for
-   max_model_len, most splits then empty at a short context), whole (split + combine)
-   and the combine alone.
+   max_model_len, most splits then empty at a short context), whole (split + combine,
+   with bf16 dots and with the dots on fp32 copies as before) and the combine alone.
 
 Run it alone on the machine. `--layers` and `--shapes tiny` make it small enough for
 the Triton interpreter (a test runs it so, timing by the clock).
@@ -229,9 +229,9 @@ def _attention(
     scale = HEAD_DIM**-0.5
     want = paged_decode_attention(q, *caches[0], table, lens, scale, 1).float()
 
-    def run(splits: int) -> None:
+    def run(splits: int, native: bool | None) -> None:
         for kc, vc in caches:
-            paged_decode_attention(q, kc, vc, table, lens, scale, splits, out=out)
+            paged_decode_attention(q, kc, vc, table, lens, scale, splits, out=out, native=native)
 
     def combine(parts: torch.Tensor, lse: torch.Tensor) -> None:
         splits = parts.shape[2]
@@ -246,7 +246,7 @@ def _attention(
     rows = []
     for splits in sorted({1, 2, 4, 8, 16, graph_splits}):
         got = paged_decode_attention(q, *caches[0], table, lens, scale, splits)
-        t = timer(functools.partial(run, splits), layers)
+        t = timer(functools.partial(run, splits, None), layers)
         entry: dict[str, Any] = {
             "context": ctx,
             "splits": splits,
@@ -254,6 +254,8 @@ def _attention(
             "GB_per_s": round(read / t / 1e3, 1),
             "max_abs_diff": round(float((got.float() - want).abs().max()), 5),
         }
+        if dtype != torch.float32:  # the dots on fp32 copies (tf32), as before 2026-11-26
+            entry["fp32_copies_us"] = round(timer(functools.partial(run, splits, False), layers), 2)
         if splits > 1:
             parts = torch.randn(1, HEADS, splits, HEAD_DIM, device=device, generator=g)
             lse = torch.randn(1, HEADS, splits, device=device, generator=g)

@@ -73,6 +73,7 @@ def _decode_split(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NATIVE: tl.constexpr,  # dots on the cache's bf16/fp16 values, not on fp32 copies
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -94,8 +95,9 @@ def _decode_split(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
-    ).to(tl.float32)
-    q = q * scale
+    )
+    if not NATIVE:  # (natively the scores are scaled after the dot, in fp32)
+        q = q.to(tl.float32) * scale
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -107,15 +109,32 @@ def _decode_split(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = load_paged_rows(k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N]
+        if NATIVE:
+            k = load_paged_native(
+                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
+            )
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N], fp32
+        else:
+            k = load_paged_rows(
+                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_paged_rows(v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        if NATIVE:
+            v = load_paged_native(
+                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
+            )
+            pv = tl.dot(p.to(v.dtype), v)
+        else:
+            v = load_paged_rows(
+                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
+            )
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     nonempty = l_i > 0.0
@@ -181,6 +200,16 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def native_dots(dtype: torch.dtype) -> bool:
+    """Whether the attention dots take the cache's values as they are (bf16/fp16 operands,
+    fp32 sums; the probabilities rounded to the cache's dtype for the second dot, as in
+    FlashAttention) rather than fp32 copies in tf32 dots: bf16/fp16, except bf16 in the
+    interpreter, which computes it wrongly."""
+    if dtype == torch.bfloat16:
+        return not interpreted()
+    return dtype == torch.float16
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Enough programs to fill the GPU twice over, but at least 256 tokens per split."""
     if num_sms <= 0:
@@ -200,13 +229,19 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    native: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q·Kᵀ·scale)·V over each sequence's first seq_len cached tokens (with a
     `window`, only the last `window` of them); returns [B, H, D].
 
     Reads only; the caller has written the new token's K/V into the cache already.
     `num_splits` > 1 splits each context (or window) into that many parts (flash-decoding).
+    `native`: dots on bf16/fp16 values as they are (default: `native_dots`); False runs
+    them on fp32 copies (as before 2026-11-26; a benchmark's comparison).
     """
+    if native is None:
+        native = native_dots(k_cache.dtype)
+    assert not native or q.dtype == k_cache.dtype == v_cache.dtype != torch.float32
     b, h, d = q.shape
     _, block_size, kvh, _ = k_cache.shape
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
@@ -229,6 +264,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(k_cache.dtype),
+        NATIVE=native,
     )
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if num_splits == 1:

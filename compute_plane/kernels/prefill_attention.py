@@ -31,6 +31,7 @@ from compute_plane.kernels.decode_attention import (
     dot_precision,
     load_paged_native,
     load_paged_rows,
+    native_dots,
 )
 
 
@@ -143,14 +144,6 @@ def _prefill(
         out.to(out_ptr.dtype.element_ty),
         mask=m_mask[:, None] & d_mask[None, :],
     )
-
-
-def native_dots(dtype: torch.dtype) -> bool:
-    """Whether the prefill dots take the cache's values as they are: bf16/fp16, except bf16
-    in the interpreter."""
-    if dtype == torch.bfloat16:
-        return not interpreted()
-    return dtype == torch.float16
 
 
 def paged_prefill_attention(

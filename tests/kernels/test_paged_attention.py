@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.reference import DEVICE, DTYPES, ON_GPU, TOL, PagedCache, attend
+from tests.kernels.reference import DEVICE, ON_GPU, TOL, PagedCache, attend
 
 pytest.importorskip("triton")
 
@@ -27,17 +27,37 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# The cache's dtype, and whether the dots take its values as they are (None: the default,
+# native for fp16 and, on a GPU, bf16) or fp32 copies in tf32 dots.
+NATIVE_CASES = [
+    pytest.param(torch.float32, None, id="fp32"),
+    pytest.param(torch.float16, None, id="fp16-native"),  # fp16 dots, fp32 softmax
+    pytest.param(torch.float16, False, id="fp16-fp32-copies"),
+    pytest.param(torch.bfloat16, None, id="bf16", marks=ON_GPU),
+    pytest.param(torch.bfloat16, False, id="bf16-fp32-copies", marks=ON_GPU),
+]
+
+
+@pytest.mark.parametrize(("dtype", "native"), NATIVE_CASES)
 @pytest.mark.parametrize(("h", "kvh", "d", "bs", "lens", "splits"), DECODE_CASES)
 def test_decode(
-    h: int, kvh: int, d: int, bs: int, lens: list[int], splits: int, dtype: torch.dtype
+    h: int,
+    kvh: int,
+    d: int,
+    bs: int,
+    lens: list[int],
+    splits: int,
+    dtype: torch.dtype,
+    native: bool | None,
 ) -> None:
     cache = PagedCache(24, bs, kvh, d, dtype, seed=h + d + bs)
     tables = cache.tables(lens)
     q = torch.randn(len(lens), h, d, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     scale = d**-0.5
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = paged_decode_attention(q, cache.k, cache.v, tables, seq_lens, scale, num_splits=splits)
+    out = paged_decode_attention(
+        q, cache.k, cache.v, tables, seq_lens, scale, num_splits=splits, native=native
+    )
     assert out.dtype == dtype and out.shape == q.shape
     for i, n in enumerate(lens):
         expected = attend(q[i], *cache.context(tables[i], n), scale)
@@ -75,15 +95,7 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("dtype", "native"),
-    [
-        pytest.param(torch.float32, None, id="fp32"),
-        pytest.param(torch.float16, None, id="fp16-native"),  # fp16 dots, fp32 softmax
-        pytest.param(torch.float16, False, id="fp16-fp32-copies"),
-        pytest.param(torch.bfloat16, None, id="bf16", marks=ON_GPU),
-    ],
-)
+@pytest.mark.parametrize(("dtype", "native"), NATIVE_CASES[:4])
 @pytest.mark.parametrize(("h", "kvh", "d", "bs", "chunks"), PREFILL_CASES)
 def test_prefill_chunks(
     h: int,
