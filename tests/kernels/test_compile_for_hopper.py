@@ -1,5 +1,6 @@
 """The small-step linears' kernel compiles for a Hopper GPU (sm_90) here, with no GPU: every
-config its autotuner may pick, each op folded in, both forms. The CPU tests run the
+config its autotuner may pick, each op folded in, both forms; so do decode and prefill
+attention, their dots bf16 tensor-core products where they take the cache's values. The CPU tests run the
 kernel in Triton's interpreter, which accepts code that the GPU compiler refuses (a
 constexpr reassigned in a branch, a layout a reduction cannot take); this catches that
 before a lent GPU machine's start-up does (where the engine would fall back to the
@@ -73,3 +74,82 @@ def test_every_config_compiles_for_sm90() -> None:
     from compute_plane.kernels import fused_linear as fl
 
     assert report["compiled"] == len(fl._configs(True)) + len(fl._configs(False)) + 4
+
+
+_ATTENTION = r"""
+import json, sys
+import triton
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(json.dumps({"skip": str(e)}))
+    sys.exit(0)
+from compute_plane.kernels import decode_attention as da, prefill_attention as pa
+
+def build(fn, ptrs, ints, floats, consts, warps):
+    sig = {**ptrs, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in floats
+             and n != "window"}
+    s = dict(sig) | {k: "constexpr" for k in consts}
+    try:
+        src = ASTSource(fn, s, constexprs=consts, attrs=attrs)
+    except TypeError as e:
+        print(json.dumps({"skip": f"ASTSource: {e}"}))
+        sys.exit(0)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": 2})
+    # its tensor-core products: mma.sync.<shape>.<types>, or Hopper's warpgroup
+    # wgmma.mma_async.<shape>.<types>
+    ops = (line.split()[0] for line in k.asm["ptx"].splitlines() if line.strip())
+    mma = [op for op in ops if op.startswith(("mma.", "wgmma.mma_async"))]
+    return {"mma": len(mma), "bf16": sum(".bf16.bf16" in m for m in mma)}
+
+strides = ["stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt", "stride_vh",
+           "stride_bt"]
+bf16 = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
+        "block_tables": "*i32", "seq_lens": "*i32"}
+done = {}
+for native in (True, False):
+    for splits in (1, 33):  # the output written directly, or partials for the combine
+        out = "*bf16" if splits == 1 else "*fp32"
+        asm = build(da._decode_split, bf16 | {"out_ptr": out, "lse_ptr": "*fp32"},
+                    ["window", "stride_qb", "stride_qh", *strides, "stride_ob", "stride_oh",
+                     "stride_os"], ["scale"],
+                    dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
+                         BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION="tf32", NATIVE=native), 4)
+        done[f"decode native={native} splits={splits}"] = asm
+    asm = build(pa._prefill, bf16 | {"q_start": "*i32", "out_ptr": "*bf16"},
+                ["window", "stride_qt", "stride_qh", *strides, "stride_ot", "stride_oh"],
+                ["scale"],
+                dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_M=64,
+                     BLOCK_N=64, DOT_PRECISION="tf32", NATIVE=native), 4)
+    done[f"prefill native={native}"] = asm
+print(json.dumps({"compiled": done}))
+"""
+
+
+def test_attention_kernels_compile_for_sm90() -> None:
+    """Decode (one split and several) and prefill attention, with bf16 dots and with fp32
+    copies: each compiles for sm_90 and its dots are tensor-core instructions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _ATTENTION], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in report:
+        pytest.skip(f"this Triton compiles no other target here: {report['skip']}")
+    compiled = report["compiled"]
+    assert len(compiled) == 6, compiled
+    for name, mma in compiled.items():
+        native = "native=True" in name
+        # bf16 dots natively (and no tf32 ones); the fp32 copies' tf32 dots twice as many
+        assert mma["mma"] > 0 and mma["bf16"] == (mma["mma"] if native else 0), (name, mma)
+    for kind in ("decode", "prefill"):
+        for splits in (" splits=1", " splits=33") if kind == "decode" else ("",):
+            ours = compiled[f"{kind} native=True{splits}"]["mma"]
+            assert 2 * ours >= compiled[f"{kind} native=False{splits}"]["mma"] > ours
