@@ -35,11 +35,26 @@ def load_paged_native(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, m
 
 
 @triton.jit
-def load_paged_rows(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask):
-    """`load_paged_native` as fp32 (the interpreter computes bf16 wrongly; the GPU keeps the
-    same numerics)."""
+def load_paged_kv(
+    cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask, NATIVE: tl.constexpr
+):
+    """`load_paged_native`, as fp32 unless NATIVE (the dots then take the cache's values;
+    the interpreter computes bf16 wrongly, and the GPU keeps the same numerics)."""
     rows = load_paged_native(cache, block, tok, kvh, d, stride_n, stride_t, stride_h, mask)
-    return rows.to(tl.float32)
+    if not NATIVE:
+        rows = rows.to(tl.float32)
+    return rows
+
+
+@triton.jit
+def weigh_values(p, v, DOT_PRECISION: tl.constexpr, NATIVE: tl.constexpr):
+    """p @ v in fp32 sums; with NATIVE the probabilities rounded to the values' dtype first,
+    as FlashAttention does, for the tensor cores' full rate."""
+    if NATIVE:  # noqa: SIM108 (a constexpr branch: only one dot is compiled)
+        pv = tl.dot(p.to(v.dtype), v)
+    else:
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+    return pv
 
 
 @triton.jit
@@ -109,32 +124,21 @@ def _decode_split(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        if NATIVE:
-            k = load_paged_native(
-                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
-            )
-            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N], fp32
-        else:
-            k = load_paged_rows(
-                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
-            )
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        k = load_paged_kv(
+            k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask, NATIVE
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N], fp32
+        if NATIVE:  # (else q was scaled before the dot)
+            s = s * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if NATIVE:
-            v = load_paged_native(
-                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
-            )
-            pv = tl.dot(p.to(v.dtype), v)
-        else:
-            v = load_paged_rows(
-                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
-            )
-            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+        v = load_paged_kv(
+            v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask, NATIVE
+        )
+        acc = acc * alpha[:, None] + weigh_values(p, v, DOT_PRECISION, NATIVE)
         m_i = m_new
 
     nonempty = l_i > 0.0

@@ -29,9 +29,9 @@ import triton.language as tl
 from compute_plane.kernels import interpreted
 from compute_plane.kernels.decode_attention import (
     dot_precision,
-    load_paged_native,
-    load_paged_rows,
+    load_paged_kv,
     native_dots,
+    weigh_values,
 )
 
 
@@ -105,14 +105,9 @@ def _prefill(
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         tok = n % BLOCK_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        if NATIVE:
-            k = load_paged_native(
-                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
-            )
-        else:
-            k = load_paged_rows(
-                k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask
-            )
+        k = load_paged_kv(
+            k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask, NATIVE
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         seen = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if window > 0:
@@ -125,17 +120,10 @@ def _prefill(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if NATIVE:
-            v = load_paged_native(
-                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
-            )
-            pv = tl.dot(p.to(v.dtype), v)
-        else:
-            v = load_paged_rows(
-                v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask
-            )
-            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+        v = load_paged_kv(
+            v_cache, block, tok, kvh, d, stride_vn, stride_vt, stride_vh, kv_mask, NATIVE
+        )
+        acc = acc * alpha[:, None] + weigh_values(p, v, DOT_PRECISION, NATIVE)
         m_i = m_new
 
     out = acc / l_i[:, None]
