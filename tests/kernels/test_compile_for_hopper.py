@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -60,17 +61,24 @@ print(json.dumps({"compiled": len(done)}))
 """
 
 
-def test_every_config_compiles_for_sm90() -> None:
+def _compile(script: str) -> dict[str, Any]:
+    """The script's report (its last line, JSON), run by Triton's own compiler in a child
+    process without TRITON_INTERPRET; skips where this Triton cannot target sm_90 here."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in report:
         pytest.skip(f"this Triton compiles no other target here: {report['skip']}")
+    return report
+
+
+def test_every_config_compiles_for_sm90() -> None:
+    report = _compile(_SCRIPT)
     from compute_plane.kernels import fused_linear as fl
 
     assert report["compiled"] == len(fl._configs(True)) + len(fl._configs(False)) + 4
@@ -133,17 +141,7 @@ print(json.dumps({"compiled": done}))
 def test_attention_kernels_compile_for_sm90() -> None:
     """Decode (one split and several) and prefill attention, with bf16 dots and with fp32
     copies: each compiles for sm_90 and its dots are tensor-core instructions."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", _ATTENTION], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in report:
-        pytest.skip(f"this Triton compiles no other target here: {report['skip']}")
-    compiled = report["compiled"]
+    compiled = _compile(_ATTENTION)["compiled"]
     assert len(compiled) == 6, compiled
     for name, mma in compiled.items():
         native = "native=True" in name
