@@ -28,6 +28,7 @@ from tests.procs import FullStack, control_stack, gateway
 pytestmark = pytest.mark.slow
 
 HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 5.0  # (the default, 30 s, would be the suite's wait)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,14 @@ def stack() -> Iterator[FullStack]:
     compute = ("--kv-cache-bytes", str(64 << 20), "--max-model-len", "96")
     with (
         control_stack(compute) as s,
-        gateway(s.control, free_port(), "--header-timeout", str(HEADER_TIMEOUT)) as url,
+        gateway(
+            s.control,
+            free_port(),
+            "--header-timeout",
+            str(HEADER_TIMEOUT),
+            "--body-timeout",
+            str(BODY_TIMEOUT),
+        ) as url,
     ):
         yield FullStack(s.compute, s.control, s.compute_metrics, s.control_metrics, url)
 
@@ -233,6 +241,7 @@ def test_a_stalled_body_gets_408(stack: FullStack) -> None:
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b'Content-Length: 100\r\n\r\n{"model":'
         )
+        opened = time.monotonic()
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.endswith(b"}"):
             chunk = s.recv(4096)
@@ -240,6 +249,7 @@ def test_a_stalled_body_gets_408(stack: FullStack) -> None:
                 break
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert BODY_TIMEOUT <= time.monotonic() - opened < BODY_TIMEOUT + 10.0  # --body-timeout
     assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
 
 
