@@ -158,7 +158,8 @@ class InProcessLink:
     ) -> None:
         self._describe, self._answer, self._on_attach = describe, answer, on_attach
         self._wire = wire
-        self._sent: deque[pb.StepRequest] = deque()  # up to 1 + steps_ahead with async scheduling
+        # (up to 1 + steps_ahead with async scheduling)
+        self._sent: deque[pb.StepRequest] = deque()
 
     async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse:
         if self._on_attach is not None:

@@ -9,7 +9,8 @@ from hetero_common.discovery import targets
 from hetero_common.server_config import GrpcServerConfig
 from hetero_common.tls import ClientTLS
 
-# Steps planned beyond the one awaited, at most (each adds a step's latency to a stop).
+# Steps planned beyond the one awaited, at most (each costs a finished request a token
+# of compute, and a new request a step before its first token).
 MAX_STEPS_AHEAD = 4
 
 

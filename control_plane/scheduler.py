@@ -17,9 +17,10 @@ decodes the real one next without being told), `schedule(lookahead=True)` plans 
 that, and `resolve(k)` writes the sampled tokens over the placeholders when the result
 arrives, ending requests there (EOS, max_tokens); a token a request samples in a step
 planned before it ended is dropped. Several steps may be in flight (`--steps-ahead`): a
-request then holds one placeholder per step that samples for it. A lookahead step preempts nothing and proposes
-nothing: a request that needs a block the pool cannot give waits, and `needs_sync` asks
-for the next step to be planned with nothing in flight.
+request then holds one placeholder per step that samples for it. A lookahead step
+preempts nothing and proposes nothing: a request that needs a block the pool cannot
+give waits, and `needs_sync` asks for the next step to be planned with nothing in
+flight.
 """
 
 from __future__ import annotations
