@@ -31,6 +31,9 @@ from tests.e2e_helpers import generate, greedy
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 40
+# Long enough that the streams still run on both planes when one leaves (~5 tokens in,
+# the file read every 0.3 s; ~7 tokens/s a stream here), short enough to be cheap.
+LONG_TOKENS = 80
 
 
 def _compute_cmd(port: int) -> list[str]:
@@ -267,8 +270,8 @@ def test_compute_planes_join_and_leave_a_running_stack(tmp_path: Path) -> None:
             assert first == expected
 
             # A plane leaves (gone from the file) while streams run on both.
-            long = _Streams(stub, _prompts(), max_tokens=160).join()  # reference
-            streams = _Streams(stub, _prompts(), max_tokens=160)
+            long = _Streams(stub, _prompts(), max_tokens=LONG_TOKENS).join()  # reference
+            streams = _Streams(stub, _prompts(), max_tokens=LONG_TOKENS)
             streams.wait_tokens(5)
             held = [_stats(a).num_active_requests for a in computes]
             assert held[0] >= 1 and held[1] >= 1, held
