@@ -13,7 +13,10 @@ left in the L2 cache by the one before), in µs per launch and GB/s of what it m
    (the autotuner's `_configs(True)` and the `CANDIDATES` below), each checked against
    torch's result, with the separate kernels beside (the norm or SiLU kernel, then
    cuBLAS), and the config the autotuner picks: which configs it should have, and how
-   far the best is from the copy bandwidth.
+   far the best is from the copy bandwidth. `pdl`: the best config (and the best that
+   loads its first weight tile before it waits) as programmatic dependent launches
+   (sm_90+: each launch may start while the one before runs): what the gaps between
+   the step's launches cost.
 2. `attention`: decode attention of 1 sequence (Qwen3-0.6B's heads) at a context of
    512 and 4096 by split count, from 1 to the count the CUDA graphs use (sized for
    max_model_len, most splits then empty at a short context), whole (split + combine,
@@ -141,11 +144,11 @@ def _linear(
     read = (n * k + width) * ws[0].element_size()  # the weights and the row
     mode = {"norm": fl.NORM, "silu": fl.SILU, "plain": fl.PLAIN}[op]
 
-    def fused(config: Any = None, w: torch.Tensor | None = None) -> torch.Tensor:
+    def fused(config: Any = None, w: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
         h = torch.empty_like(r) if r is not None else None
         return fl._launch(
             mode, x, r, h, norm_w if r is not None else None, eps,
-            w if w is not None else ws[0], None, k, config=config,
+            w if w is not None else ws[0], None, k, config=config, pdl=pdl,
         )  # fmt: skip
 
     def separate(w: torch.Tensor) -> torch.Tensor:
@@ -178,12 +181,57 @@ def _linear(
         best = min(good, key=lambda e: e["us"])
         row["best"] = best
         row["best_vs_separate"] = round(row["separate_us"] / best["us"], 2)
+        row["pdl"] = _pdl(fused, ws, runs, good, want, scale, read, timer, layers)
     fused()  # the autotuner's own pick, at its first call for this shape
     tuner = fl._gemv_kernel
     if getattr(tuner, "best_config", None) is not None:
         row["autotuned"] = _config_dict(tuner.best_config)
     row["configs"] = runs
     return row
+
+
+def _pdl(
+    fused: Callable[..., torch.Tensor],
+    ws: list[torch.Tensor],
+    runs: list[dict[str, Any]],
+    good: list[dict[str, Any]],
+    want: torch.Tensor,
+    scale: float,
+    read: int,
+    timer: Callable[[Callable[[], object], int], float],
+    layers: int,
+) -> list[dict[str, Any]] | str:
+    """The fastest config, and the fastest that loads its first tile before the wait, as
+    programmatic dependent launches (each may start while the one before runs): what the
+    launches' gaps cost at batch 1."""
+    import triton
+
+    from compute_plane.kernels import interpreted
+    from compute_plane.kernels.fused_linear import AGREE
+
+    if interpreted() or torch.cuda.get_device_capability()[0] < 9:
+        return "needs a GPU of compute capability 9.0 or later"
+    picks = [min(good, key=lambda e: e["us"])]
+    preload = [e for e in good if e["config"]["PRELOAD"]]
+    if preload and min(preload, key=lambda e: e["us"]) is not picks[0]:
+        picks.append(min(preload, key=lambda e: e["us"]))
+    out = []
+    for e in picks:
+        cfg = dict(e["config"])
+        warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        c = triton.Config(cfg, num_warps=warps, num_stages=stages)
+        entry: dict[str, Any] = {"config": e["config"], "without_us": e["us"]}
+        try:
+            err = float((fused(c, pdl=True).float() - want).abs().max())
+            entry["ok"] = err <= AGREE * scale
+            t = timer(functools.partial(_each, functools.partial(fused, pdl=True), c, ws), layers)
+            entry["us"] = round(t, 2)
+            entry["GB_per_s"] = round(read / t / 1e3, 1)
+        except Exception as ex:  # a driver or graph capture that refuses the launch
+            entry["error"] = f"{type(ex).__name__}: {ex}"[:300]
+        out.append(entry)
+    print(json.dumps({"pdl": out}), flush=True)
+    return out
 
 
 def attention(

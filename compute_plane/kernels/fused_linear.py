@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.autotuner import Autotuner
 
 from compute_plane.kernels import interpreted
@@ -139,6 +140,7 @@ def _fused_linear(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRELOAD: tl.constexpr,  # the first W tile loaded first (a config's choice)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent (sm_90+; see _launch)
 ):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -151,6 +153,9 @@ def _fused_linear(
         rk0 = tl.arange(0, BLOCK_K)
         w0_ptrs = w_ptr + rn_w[:, None] * stride_w + rk0[None, :]
         w0 = tl.load(w0_ptrs, mask=n_mask[:, None] & (rk0 < K)[None, :], other=0.0)
+    if PDL:  # the weights are the layer's own; the rows, the kernel before's outputs
+        gdc_wait()  # that kernel done and its writes seen (nothing is read or written above)
+        gdc_launch_dependents()  # the next may start loading its weights meanwhile
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MODE == 1:  # NORM: the row's mean square first (and the new residual, once)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -210,7 +215,13 @@ def _launch(
     bias: torch.Tensor | None,
     k: int,
     config: triton.Config | None = None,  # this one, not the autotuner's (tests)
+    pdl: bool = False,
 ) -> torch.Tensor:
+    """One launch of the kernel (the autotuner's config unless `config`). `pdl`: as a
+    programmatic dependent launch (Hopper and later): it may start while the kernel before
+    it runs, loads its first weight tile (with PRELOAD), then waits for that kernel's
+    writes. Not used by the model yet: `benchmarks.gpu_variants` measures what it saves
+    at batch 1; the interpreter has no grid dependencies, so it runs without."""
     m = x.shape[0]
     n = weight.shape[0]
     assert m <= MAX_ROWS, f"{m} rows: the fused linear takes at most {MAX_ROWS}"
@@ -232,6 +243,8 @@ def _launch(
         extra = dict(config.kwargs)
         if not interpreted():
             extra |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    if pdl and not interpreted():
+        extra |= {"PDL": True, "launch_pdl": True}
     kernel[grid](
         x, residual if residual is not None else x, h if h is not None else x,
         norm_weight if norm_weight is not None else weight, weight,

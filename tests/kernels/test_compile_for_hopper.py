@@ -77,6 +77,56 @@ def _compile(script: str) -> dict[str, Any]:
     return report
 
 
+_PDL = r"""
+import json, sys
+import triton
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(json.dumps({"skip": str(e)}))
+    sys.exit(0)
+import compute_plane.kernels.fused_linear as fl
+
+sig = {"x_ptr": "*bf16", "r_ptr": "*bf16", "h_ptr": "*bf16", "g_ptr": "*bf16",
+       "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32",
+       "K": "i32", "eps": "fp32", "stride_x": "i32", "stride_r": "i32", "stride_w": "i32"}
+names = list(sig)
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("M", "eps")}
+found = {}
+for pdl in (False, True):
+    consts = dict(MODE=fl.NORM, HAS_RES=True, HAS_BIAS=False, IEEE=False, DOT=False,
+                  BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, PRELOAD=True, PDL=pdl)
+    src = ASTSource(fl._gemv_kernel.fn, dict(sig) | {k: "constexpr" for k in consts},
+                    constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2, "launch_pdl": pdl})
+    # each instruction's opcode (after a predicate such as `@%p1`)
+    lines = [t[1] if t[0].startswith("@") and len(t) > 1 else t[0].rstrip(";")
+             for t in (ln.split() for ln in k.asm["ptx"].splitlines()) if t]
+    gdc = [i for i, op in enumerate(lines) if op.startswith("griddepcontrol")]
+    loads = [i for i, op in enumerate(lines) if op.startswith(("ld.global", "cp.async"))]
+    stores = [i for i, op in enumerate(lines) if op.startswith("st.global")]
+    found[str(pdl)] = {"gdc": [lines[i] for i in gdc],
+                       "loads_before": sum(i < gdc[0] for i in loads) if gdc else None,
+                       "stores_before": sum(i < gdc[0] for i in stores) if gdc else None,
+                       "loads": len(loads)}
+print(json.dumps({"compiled": found}))
+"""
+
+
+def test_programmatic_dependent_launch_compiles_for_sm90() -> None:
+    """With PDL the matrix-vector kernel waits for the kernel before it (griddepcontrol.wait)
+    after loading its first weight tile and before any other load or store, then lets the
+    next launch; without it, neither instruction is there."""
+    compiled = _compile(_PDL)["compiled"]
+    assert compiled["False"]["gdc"] == [], compiled
+    pdl = compiled["True"]
+    assert pdl["gdc"][:2] == ["griddepcontrol.wait", "griddepcontrol.launch_dependents"], pdl
+    # the first tile's loads only (a [4, 1024] bf16 tile: a few vector loads a thread)
+    assert 0 < pdl["loads_before"] < pdl["loads"] and pdl["stores_before"] == 0, pdl
+
+
 def test_every_config_compiles_for_sm90() -> None:
     report = _compile(_SCRIPT)
     from compute_plane.kernels import fused_linear as fl
