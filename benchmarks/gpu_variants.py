@@ -181,7 +181,7 @@ def _linear(
         best = min(good, key=lambda e: e["us"])
         row["best"] = best
         row["best_vs_separate"] = round(row["separate_us"] / best["us"], 2)
-        row["pdl"] = _pdl(fused, ws, runs, good, want, scale, read, timer, layers)
+        row["pdl"] = _pdl(fused, ws, good, want, scale, read, timer, layers)
     fused()  # the autotuner's own pick, at its first call for this shape
     tuner = fl._gemv_kernel
     if getattr(tuner, "best_config", None) is not None:
@@ -193,7 +193,6 @@ def _linear(
 def _pdl(
     fused: Callable[..., torch.Tensor],
     ws: list[torch.Tensor],
-    runs: list[dict[str, Any]],
     good: list[dict[str, Any]],
     want: torch.Tensor,
     scale: float,
@@ -213,8 +212,8 @@ def _pdl(
         return "needs a GPU of compute capability 9.0 or later"
     picks = [min(good, key=lambda e: e["us"])]
     preload = [e for e in good if e["config"]["PRELOAD"]]
-    if preload and min(preload, key=lambda e: e["us"]) is not picks[0]:
-        picks.append(min(preload, key=lambda e: e["us"]))
+    if preload and (fastest := min(preload, key=lambda e: e["us"])) is not picks[0]:
+        picks.append(fastest)
     out = []
     for e in picks:
         cfg = dict(e["config"])
