@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,48 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 START_TIMEOUT = 300.0  # seconds a plane may take to be serving, unless told otherwise
 
 
+_EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return _EPHEMERAL
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port that is free now and that nothing else is likely to take before the
+    caller's child binds it.
+
+    A port the kernel hands out for bind(0) is an ephemeral one: until the child binds it,
+    any outgoing connection or bind(0) on the machine (a gRPC channel, another plane's
+    metrics server) may get the same port, and the child then fails with "address already
+    in use". So pick at random among the ports below the ephemeral range (above it where
+    that has no room), which the kernel never hands out, skip those this process already
+    gave, and check that it binds."""
+    low, high = _ephemeral_range()
+    span = (10000, low - 1) if low > 12000 else (high + 1, 65535)
+    if span[1] - span[0] < 1000:  # no room outside the range: let the kernel pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randint(*span)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {span[0]}-{span[1]}")
 
 
 def wait_serving(

@@ -1,0 +1,40 @@
+"""hetero_infer.local.free_port: the ports the local stacks give their planes."""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from hetero_infer import local
+
+
+def test_ports_are_outside_the_ephemeral_range_distinct_and_free() -> None:
+    low, high = local._ephemeral_range()
+    ports = [local.free_port() for _ in range(100)]
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        assert not low <= port <= high  # bind(0) and outgoing connections never get it
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", local.free_port()))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        later = local.free_port()
+        picks: Iterator[int] = iter([busy, busy, later])
+        monkeypatch.setattr(random.SystemRandom, "randint", lambda self, a, b: next(picks))
+        local._handed_out.discard(later)
+        assert local.free_port() == later
+
+
+def test_no_room_outside_the_range_lets_the_kernel_pick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "_ephemeral_range", lambda: (1024, 65535))
+    port = local.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
