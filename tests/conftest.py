@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,7 +32,48 @@ def smollm2_path() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path: Path):  # type: ignore[no-untyped-def]
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file with gguf-py's GGUFReader for the config, again for
+    the weights and again for the tokenizer; each parse of Gemma 3's 262k-token vocabulary
+    takes ~20 s here. While this fixture is up, gguf.GGUFReader hands back the reader it
+    already made for the same unchanged file, so each file is parsed once, and parses over
+    an ndarray view of the file. What transformers does with the reader (its
+    dequantisation, config, tokenizer) is unchanged."""
+    import gguf
+    import numpy as np
+
+    readers: dict[tuple[str, int, int, str], Any] = {}
+
+    def key(path: str | os.PathLike[str], mode: str) -> tuple[str, int, int, str]:
+        st = os.stat(path)
+        return os.path.realpath(path), st.st_mtime_ns, st.st_size, mode
+
+    class ParsedOnce(gguf.GGUFReader):  # subclasses of it (none yet) parse as before
+        def __new__(cls, path: str | os.PathLike[str], mode: str = "r") -> Any:
+            if cls is ParsedOnce and key(path, mode) in readers:
+                return readers[key(path, mode)]
+            return super().__new__(cls)
+
+        def __init__(self, path: str | os.PathLike[str], mode: str = "r") -> None:
+            if type(self) is ParsedOnce and readers.get(key(path, mode)) is self:
+                return
+            super().__init__(path, mode)  # type: ignore[arg-type]
+            if type(self) is ParsedOnce:
+                readers[key(path, mode)] = self
+
+        def _build_fields(self, *args: Any, **kwargs: Any) -> Any:
+            # gguf-py's own parse, over a plain ndarray view of its mmap: slicing np.memmap
+            # is ~5x slower, and the same bytes come out.
+            self.data = self.data.view(np.ndarray)
+            return super()._build_fields(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", ParsedOnce)
+        yield
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path: Path, gguf_parsed_once: None):  # type: ignore[no-untyped-def]
     """transformers' own GGUF loader: an independent dequantisation of the bundled model."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -97,7 +141,7 @@ def make_tiny_model(arch: str, out: Path, *, seed: int = 0, **overrides: object)
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2_tokenizer(smollm2_path: Path):  # type: ignore[no-untyped-def]
+def hf_smollm2_tokenizer(smollm2_path: Path, gguf_parsed_once: None):  # type: ignore[no-untyped-def]
     """transformers' GGUF tokenizer (splits digits differently from the model: use digit-free text)."""
     from transformers import AutoTokenizer
 

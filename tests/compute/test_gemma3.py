@@ -43,14 +43,14 @@ def gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(gguf: Path):  # type: ignore[no-untyped-def]
+def hf_tokenizer(gguf: Path, gguf_parsed_once: None):  # type: ignore[no-untyped-def]
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 @pytest.fixture(scope="module")
-def hf_model(gguf: Path):  # type: ignore[no-untyped-def]
+def hf_model(gguf: Path, gguf_parsed_once: None):  # type: ignore[no-untyped-def]
     """transformers' own GGUF loader: its dequantisation of the same file, in fp32."""
     import torch
     from transformers import AutoModelForCausalLM
