@@ -19,7 +19,7 @@ from control_plane.compute_client import InProcessLink
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.plane import plans_ahead, steps_ahead
-from control_plane.tokenizer import load_tokenizer
+from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 from tests.control.streams import stream_tokens
@@ -49,18 +49,20 @@ class _Link(InProcessLink):
         return self.engine.step(step)
 
 
-async def _run(  # type: ignore[no-untyped-def]
-    path: Path, setting: bool | None, device: str, concurrent: bool, ahead: int | None = None
+async def _run(
+    path: Path,
+    engine: Engine,
+    tokenizer: TokenizerWrapper,
+    setting: bool | None,
+    device: str,
+    concurrent: bool,
+    ahead: int | None = None,
 ):
-    engine = Engine(
-        ComputeConfig(model=str(path), kv_cache_bytes=16 << 20, metrics_port=-1),
-        load_model(path, progress=False),
-    )
-    link = _Link(engine, device, concurrent)
+    link = _Link(engine, device, concurrent)  # attaching resets the engine
     config = ControlConfig(
         model=str(path), metrics_port=-1, async_scheduling=setting, steps_ahead=ahead
     )
-    control = ControlEngine(config, load_tokenizer(path), link)
+    control = ControlEngine(config, tokenizer, link)
     await control.start()
     try:
         await control.attached.wait()
@@ -75,9 +77,14 @@ async def _run(  # type: ignore[no-untyped-def]
 
 @pytest.mark.timeout(300)
 def test_unset_async_scheduling_is_on_for_a_gpu_in_another_process(smollm2_path: Path) -> None:
+    engine = Engine(
+        ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
+        load_model(smollm2_path, progress=False),
+    )
+    tokenizer = load_tokenizer(smollm2_path)
     runs = {
         (setting, device, concurrent, ahead): asyncio.run(
-            _run(smollm2_path, setting, device, concurrent, ahead)
+            _run(smollm2_path, engine, tokenizer, setting, device, concurrent, ahead)
         )
         for setting, device, concurrent, ahead in [
             (None, "cpu", True, None),
