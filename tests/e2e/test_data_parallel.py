@@ -150,7 +150,7 @@ def test_streams_survive_one_of_two_compute_planes_dying() -> None:
         grpc.insecure_channel(control) as ch,
     ):
         stub = pb_grpc.ControlPlaneStub(ch)
-        expected = [generate(stub, greedy(p, MAX_TOKENS)).tokens[0] for p in _prompts()]
+        expected = _Streams(stub, _prompts()).join()  # uninterrupted, the same 8 at once
         before = [_stats(a).num_requests_added for a in computes]
         streams = _Streams(stub, _prompts())
         streams.wait_tokens(5)
@@ -253,7 +253,7 @@ def test_compute_planes_join_and_leave_a_running_stack(tmp_path: Path) -> None:
         cmd = _control_cmd(cport, cmetrics, f"file:{listing}", "--compute-resolve-interval", "0.3")
         with child(cmd, control), grpc.insecure_channel(control) as ch:
             stub = pb_grpc.ControlPlaneStub(ch)
-            expected = [generate(stub, greedy(p, MAX_TOKENS)).tokens[0] for p in _prompts()]
+            expected = _Streams(stub, _prompts()).join()  # the 8 at once, on one plane
             assert _stats(computes[1]).num_requests_added == 0
 
             # A plane joins: within seconds a new request lands on it.

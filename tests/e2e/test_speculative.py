@@ -38,11 +38,11 @@ ASKS = [
     "What is this about? {}",
 ]
 PROMPTS = [ask.format(text) for text in TEXTS for ask in ASKS]
-MAX_BLOCKS = 24  # of 16 tokens: 8 concurrent requests of up to ~110 tokens do not all fit
+MAX_BLOCKS = 24  # of 16 tokens: 8 concurrent requests of up to ~95 tokens do not all fit
 
 
 def _params(i: int) -> dict[str, Any]:
-    p: dict[str, Any] = {"temperature": 0, "max_tokens": (12, 24, 40, 48)[i % 4]}
+    p: dict[str, Any] = {"temperature": 0, "max_tokens": (8, 16, 24, 32)[i % 4]}
     if i % 5 == 1:
         p["stop"] = ["."]
     elif i % 5 == 3:
