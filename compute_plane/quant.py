@@ -215,6 +215,11 @@ def cat(parts: Sequence[Weight]) -> Weight:
     """Concatenate weights along N (fusing q|k|v, gate|up); dense if the kinds differ."""
     quant = [p for p in parts if isinstance(p, QuantWeight)]
     if len(quant) == len(parts) and len({p.kind for p in quant}) == 1:
+        if all(p.n % BLOCK == 0 for p in quant) and len({p.k for p in quant}) == 1:
+            # Whole blocks of 16 rows each: the packed blocks simply follow one another.
+            codes = torch.cat([p.codes for p in quant])
+            scales = torch.cat([p.scales for p in quant])
+            return QuantWeight(quant[0].kind, codes, scales, sum(p.n for p in quant), quant[0].k)
         rows = [p.rows() for p in quant]
         codes, scales = torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
         return QuantWeight.pack(quant[0].kind, codes, scales)

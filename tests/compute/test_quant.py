@@ -157,6 +157,30 @@ def test_rows_fuse_and_look_up() -> None:
     assert isinstance(mixed, torch.Tensor) and mixed.shape == (12, 64)
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_whole_blocks_fuse_as_their_rows_would(kind: str) -> None:
+    """Parts of whole 16-row blocks are fused by putting their packed blocks one after
+    another: the same bytes as packing the concatenated rows."""
+    g = torch.Generator().manual_seed(0)
+
+    def weight(n: int, k: int = 64) -> QuantWeight:
+        if kind == "q8":
+            codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            return QuantWeight.pack(kind, codes, torch.rand(n, k // 32, generator=g))
+        codes = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        return QuantWeight.pack(kind, codes, torch.randn(n, k // 32, 2, generator=g))
+
+    parts = [weight(32), weight(16), weight(48)]
+    fused = cat(parts)
+    assert isinstance(fused, QuantWeight) and fused.shape == (96, 64)
+    rows = [p.rows() for p in parts]
+    want = QuantWeight.pack(kind, torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows]))
+    assert torch.equal(fused.codes, want.codes) and torch.equal(fused.scales, want.scales)
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    ragged = cat([weight(20), weight(16)])  # a part that ends inside a block: re-packed
+    assert isinstance(ragged, QuantWeight) and ragged.shape == (36, 64)
+
+
 def test_prepare_modes() -> None:
     weights = {
         "m": torch.randn(8, 64),
