@@ -294,7 +294,43 @@ def _graph_kernels(engine: Any, batch: int) -> tuple[int | None, list[dict[str, 
     return len(kernels) or None, times
 
 
-def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
+def step_times(engine: Any, peak: float, both_launches: bool = False) -> list[dict[str, Any]]:
+    """The decode graph's replay at batch 1, 64 and 256 (context 512) against its memory
+    bound, with the kernels it runs. `both_launches`: on a GPU that takes programmatic
+    dependent launches (`--pdl`), the same rows the other way too (the graphs captured
+    again), each row with `pdl`, and `pdl_same_output`: whether both ways' batch-1 hidden
+    states are equal bit for bit (the same kernels; a launch that read before its
+    `griddepcontrol.wait` would differ)."""
+    rows = _step_rows(engine, peak)
+    if not both_launches or torch.cuda.get_device_capability() < (9, 0):
+        return rows
+    from compute_plane.kernels import set_dependent_launch
+
+    ours = engine.dependent_launch
+    first = _graph_output(engine, 1)
+    try:
+        set_dependent_launch(not ours)
+        engine.graphs.capture()
+        same = bool(torch.equal(first, _graph_output(engine, 1)))
+        rows += [r | {"pdl_same_output": same} for r in _step_rows(engine, peak, not ours)]
+    finally:
+        set_dependent_launch(ours)
+        engine.graphs.capture()
+    return rows
+
+
+def _graph_output(engine: Any, batch: int, ctx: int = 512) -> torch.Tensor:
+    """The decode graph's hidden states for `batch` sequences of `ctx` tokens (as
+    `_decode_graph_time` stages them), copied."""
+    graphs = engine.graphs
+    _decode_graph_time(engine, batch, ctx)  # stages the inputs (and replays)
+    size = next(b for b in graphs.sizes if b >= batch)
+    graphs.graphs[size].replay()
+    torch.cuda.synchronize()
+    return graphs.outputs[size][:batch].clone()
+
+
+def _step_rows(engine: Any, peak: float, pdl: bool | None = None) -> list[dict[str, Any]]:
     cfg = engine.model_config
     weight_bytes = engine.model.weight_bytes
     per_token_kv = (
@@ -314,6 +350,7 @@ def step_times(engine: Any, peak: float) -> list[dict[str, Any]]:
             {
                 "batch": batch,
                 "context": ctx,
+                "pdl": engine.dependent_launch if pdl is None else pdl,
                 "ms": round(t * 1e3, 3),
                 "memory_bound_ms": round(bound * 1e3, 3),
                 "of_memory_bound": round(bound / t, 3),
@@ -553,7 +590,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 failed("in_process")
             save()
             try:
-                report["decode_step"] = step_times(llm.engine, peak)
+                report["decode_step"] = step_times(llm.engine, peak, both_launches=True)
             except Exception:
                 failed("decode_step")
             save()

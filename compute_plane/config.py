@@ -69,6 +69,15 @@ class ComputeConfig(GrpcServerConfig):
             "(always), off"
         },
     )
+    pdl: str = field(
+        default="auto",
+        metadata={
+            "help": "CUDA, Triton path: launch the decode step's Triton kernels as programmatic "
+            "dependent launches, each starting while the one before finishes (fewer idle "
+            "microseconds between a small step's ~200 launches): auto (on a Hopper or later "
+            "GPU), on (such a GPU required), off"
+        },
+    )
     overlap_steps: str = field(
         default="auto",
         metadata={
@@ -134,6 +143,8 @@ class ComputeConfig(GrpcServerConfig):
             )
         if self.fused_linear not in ("auto", "on", "off"):
             raise ValueError(f"fused_linear must be auto, on or off, got {self.fused_linear!r}")
+        if self.pdl not in ("auto", "on", "off"):
+            raise ValueError(f"pdl must be auto, on or off, got {self.pdl!r}")
         if self.overlap_steps not in ("auto", "on", "off"):
             raise ValueError(f"overlap_steps must be auto, on or off, got {self.overlap_steps!r}")
         if self.cpu_activations not in ("int16", "fp32"):

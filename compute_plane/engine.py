@@ -151,6 +151,8 @@ class Engine:
         self.block_size = config.block_size
         backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype)
         kernels = model_kernels(backend, cfg, self.device)
+        # the decode step's Triton kernels as programmatic dependent launches (--pdl)
+        self.dependent_launch = self._set_dependent_launch(backend)
         draft = self._load_draft(backend) if config.draft_model else None
         self.model, num_blocks = self._model_and_pool(loaded, kernels, draft)
         self.max_model_len = min(self.model_max_len, (num_blocks - 1) * self.block_size)
@@ -381,6 +383,26 @@ class Engine:
         if self.graphs is not None:
             self.graphs.capture()
         _return_freed_memory()  # the caller has dropped the loaded weights by now
+
+    def _set_dependent_launch(self, backend: str) -> bool:
+        """--pdl: whether this process launches the Triton kernels as programmatic
+        dependents (kernels.set_dependent_launch; before any kernel is tuned or a graph
+        captured). Hopper (compute capability 9.0) or later, on the Triton path."""
+        mode = self.config.pdl
+        able = self.device.type == "cuda" and backend == "triton"
+        if able:
+            able = torch.cuda.get_device_capability(self.device) >= (9, 0)
+        if mode == "on" and not able:
+            raise ValueError(
+                "--pdl on needs the Triton path on a Hopper or later GPU (compute capability "
+                "9.0+); use auto or off"
+            )
+        on = able and mode != "off"
+        if backend == "triton":  # (the flag is the process's: the Triton kernel set's alone)
+            from compute_plane.kernels import set_dependent_launch
+
+            set_dependent_launch(on)
+        return on
 
     def _choose_fused_rows(self) -> None:
         """Model.fused_rows per --fused-linear (before any decode graph is captured)."""

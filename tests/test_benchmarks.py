@@ -79,7 +79,7 @@ def test_gpu_benchmark_parts_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     }  # fmt: skip
     model = gpu.write_random_model(tmp_path / "model", tiny, device="cpu")
 
-    def broken(*_: object) -> None:
+    def broken(*_: object, **__: object) -> None:
         raise RuntimeError("no decode graphs here")
 
     monkeypatch.setattr(gpu, "cuda", lambda: True)
@@ -105,7 +105,7 @@ def test_gpu_benchmark_parts_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert report["paths"]["grpc"]["vs_in_process"] > 0
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))  # as saved
 
-    monkeypatch.setattr(gpu, "step_times", lambda engine, peak: [{"batch": 1}])
+    monkeypatch.setattr(gpu, "step_times", lambda engine, peak, **_: [{"batch": 1}])
     # the other parts' figures stay; int8 runs, bf16 beside it; a kind that fails is its own
     again = gpu.main([*common, "--parts", "engine,quantized", "--quantizations", "int8,int3"])
     assert set(again["errors"]) == {"grpc_no_overlap", "quantized"}

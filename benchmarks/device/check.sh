@@ -12,7 +12,8 @@
 #           (the acceptance figures), into $OUT/gpu.json, to copy to docs/perf/gpu.json
 #   tests   the kernel tests on the GPU (tests/kernels: every kernel, bf16 too, the engine on
 #           the Triton path with its staged inputs, CUDA graphs), sampling, FP8/INT8 and
-#           overlapped steps on CUDA (the other folders import packages the image lacks)
+#           overlapped steps on CUDA (the other folders import packages the image lacks);
+#           $TESTS_SELECT: other pytest arguments instead (a file, -k ...)
 #   quant   python -m benchmarks.gpu --parts quantized: FP8/INT8 against bf16, added to
 #           $OUT/gpu.json
 #   profile python -m benchmarks.profile on the bench stage's random model (written here if
@@ -33,7 +34,8 @@
 # at its limit; a call brings back at most 8 files, so the stages share one log).
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
 # while the next one runs; the bench stage stops after $BENCH_TIMEOUT seconds (420 unless
-# set), the tests stage after $TESTS_TIMEOUT (180).
+# set), the tests stage after $TESTS_TIMEOUT (180). $BENCH_PARTS: the bench stage's --parts
+# (kernels,engine,grpc unless set).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp/out}"
@@ -56,8 +58,8 @@ for stage in "${stages[@]}"; do
       # test's outcome is logged as it ends, since a pytest stopped at the cap printed no
       # summary that day)
       timeout -s INT -k 30 "${TESTS_TIMEOUT:-180}" python3 -m pytest -v -p no:cacheprovider \
-        -n 8 --dist loadfile tests/kernels \
-        tests/compute/test_sampler.py tests/compute/test_scaled.py tests/compute/test_overlap.py \
+        -n 8 --dist loadfile ${TESTS_SELECT:-tests/kernels \
+        tests/compute/test_sampler.py tests/compute/test_scaled.py tests/compute/test_overlap.py} \
         2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
@@ -65,7 +67,7 @@ for stage in "${stages[@]}"; do
       # capped too (a hang in this process would hold the call to its end), and each
       # gRPC path within --path-timeout
       timeout -s INT -k 30 "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.gpu \
-        --parts kernels,engine,grpc --path-timeout 150 --out "$OUT/gpu.json" 2>&1 \
+        --parts "${BENCH_PARTS:-kernels,engine,grpc}" --path-timeout 150 --out "$OUT/gpu.json" 2>&1 \
         | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
@@ -110,7 +112,7 @@ report = {"copy_bandwidth_GB_per_s": round(peak / 1e9, 1),
           "fused_rows": llm.engine.model.fused_rows,
           "fused_linear_timings": llm.engine.fused_linear_timings}
 print(json.dumps(report), flush=True)
-report["decode_step"] = step_times(llm.engine, peak)
+report["decode_step"] = step_times(llm.engine, peak, both_launches=True)
 Path(os.environ["OUT"], "steps.json").write_text(json.dumps(report, indent=2) + "\n")
 ' 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))

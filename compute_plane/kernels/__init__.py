@@ -18,3 +18,28 @@ import os
 def interpreted() -> bool:
     """True when triton runs kernels in its CPU interpreter (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class _Launch:
+    """How this process launches the decode step's Triton kernels (set once at start-up,
+    before any CUDA graph is captured: a graph keeps the launches it recorded)."""
+
+    dependent = False
+
+
+def set_dependent_launch(on: bool) -> None:
+    """Launch the decode step's Triton kernels (the small-step linears, the rotation with
+    its KV write, decode attention's split and combine, the norms) as programmatic
+    dependent launches (Hopper and later: `--pdl`). Each may then start while the kernel
+    before it finishes; it reads nothing another kernel writes, and writes nothing, before
+    `griddepcontrol.wait` (which returns once that kernel is done and its writes are
+    seen), and then lets the next one start. The interpreter has no grids to overlap:
+    there this is ignored."""
+    _Launch.dependent = on
+
+
+def dependent_launch() -> dict[str, bool]:
+    """The launch arguments of a kernel with a `PDL` constexpr, per `set_dependent_launch`."""
+    if _Launch.dependent and not interpreted():
+        return {"PDL": True, "launch_pdl": True}
+    return {}

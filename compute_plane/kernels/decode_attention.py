@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from compute_plane.kernels import interpreted
+from compute_plane.kernels import dependent_launch, interpreted
 
 
 @triton.jit
@@ -89,11 +90,15 @@ def _decode_split(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NATIVE: tl.constexpr,  # dots on the cache's bf16/fp16 values, not on fp32 copies
+    PDL: tl.constexpr = False,  # a programmatic dependent launch (kernels.set_dependent_launch)
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens + seq)
+    seq_len = tl.load(seq_lens + seq)  # (staged by the host: no kernel of the step writes it)
+    if PDL:  # q and the step's K/V are the kernel before's writes
+        gdc_wait()
+        gdc_launch_dependents()
     first = 0
     if window > 0:
         first = tl.maximum(seq_len - window, 0)  # blocks before it are never read
@@ -172,7 +177,11 @@ def _combine(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # the partials are the split kernel's writes; nothing is read or written above
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -259,7 +268,7 @@ def paged_decode_attention(
     block_g = max(16, triton.next_power_of_2(group))
     # Interpreted programs cost per op, not per lane: wider tiles finish sooner there.
     block_n = 16 if interpreted() else (64 if block_d <= 128 else 32)
-    common = dict(
+    common: dict[str, object] = dict(
         GROUP=group,
         BLOCK_G=block_g,
         HEAD_DIM=d,
@@ -269,6 +278,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         NATIVE=native,
+        **dependent_launch(),
     )
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if num_splits == 1:
@@ -289,6 +299,6 @@ def paged_decode_attention(
         parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2),
         out.stride(0), out.stride(1),
         NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=triton.next_power_of_2(num_splits), **dependent_launch(),
     )  # fmt: skip
     return out

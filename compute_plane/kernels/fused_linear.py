@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.autotuner import Autotuner
 
-from compute_plane.kernels import interpreted
+from compute_plane.kernels import dependent_launch, interpreted
 
 MAX_ROWS = 16
 GEMV_ROWS = 4  # steps of at most this many rows: the matrix-vector form
@@ -215,13 +215,13 @@ def _launch(
     bias: torch.Tensor | None,
     k: int,
     config: triton.Config | None = None,  # this one, not the autotuner's (tests)
-    pdl: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:
     """One launch of the kernel (the autotuner's config unless `config`). `pdl`: as a
     programmatic dependent launch (Hopper and later): it may start while the kernel before
     it runs, loads its first weight tile (with PRELOAD), then waits for that kernel's
-    writes. Not used by the model yet: `benchmarks.gpu_variants` measures what it saves
-    at batch 1; the interpreter has no grid dependencies, so it runs without."""
+    writes. None: as the process launches its kernels (`kernels.set_dependent_launch`,
+    the engine's `--pdl`); the interpreter has no grid dependencies, so it runs without."""
     m = x.shape[0]
     n = weight.shape[0]
     assert m <= MAX_ROWS, f"{m} rows: the fused linear takes at most {MAX_ROWS}"
@@ -243,7 +243,9 @@ def _launch(
         extra = dict(config.kwargs)
         if not interpreted():
             extra |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if pdl and not interpreted():
+    if pdl is None:
+        extra |= dependent_launch()
+    elif pdl and not interpreted():
         extra |= {"PDL": True, "launch_pdl": True}
     kernel[grid](
         x, residual if residual is not None else x, h if h is not None else x,

@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from compute_plane.kernels import dependent_launch
 
 
 @triton.jit
@@ -28,7 +31,11 @@ def _rms_norm(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr = False,  # a programmatic dependent launch (kernels.set_dependent_launch)
 ):
+    if PDL:  # the rows are the kernel before's outputs; nothing is read or written above
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     outer = (row // inner).to(tl.int64)
     sub = row % inner
@@ -67,7 +74,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         n = x.shape[-1]
         _rms_norm[(rows,)](
             x, x, weight, out, out, eps, inner, s0, s1, 0, 0,
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False,
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=False, **dependent_launch(),
         )  # fmt: skip
     return out
 
@@ -85,6 +92,6 @@ def add_rms_norm(
         n = x.shape[-1]
         _rms_norm[(rows,)](
             x, residual, weight, out, summed, eps, inner, s0, s1, r0, r1,
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True,
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=True, **dependent_launch(),
         )  # fmt: skip
     return out, summed

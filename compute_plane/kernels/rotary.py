@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from compute_plane.kernels import dependent_launch
 
 
 @triton.jit
@@ -81,7 +84,11 @@ def _qk_rotary(
     BLOCK_HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     WRITE_CACHE: tl.constexpr,
+    PDL: tl.constexpr = False,  # a programmatic dependent launch (kernels.set_dependent_launch)
 ):
+    if PDL:  # q, k and v are the kernel before's outputs; nothing is read or written above
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
@@ -139,6 +146,7 @@ def _launch(
         cos.stride(0),
         HALF=d // 2, BLOCK_Q=triton.next_power_of_2(h), BLOCK_K=triton.next_power_of_2(kvh),
         BLOCK_HALF=triton.next_power_of_2(d // 2), HAS_NORM=norm, WRITE_CACHE=cache is not None,
+        **dependent_launch(),
     )  # fmt: skip
     return q_out
 

@@ -191,3 +191,91 @@ def test_attention_kernels_compile_for_sm90() -> None:
         for splits in (" splits=1", " splits=33") if kind == "decode" else ("",):
             ours = compiled[f"{kind} native=True{splits}"]["mma"]
             assert 2 * ours >= compiled[f"{kind} native=False{splits}"]["mma"] > ours
+
+
+_DEPENDENT = r"""
+import json, sys
+import triton
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:
+    print(json.dumps({"skip": str(e)}))
+    sys.exit(0)
+from compute_plane.kernels import decode_attention as da, rms_norm as rn, rotary as ro
+
+def opcodes(ptx):
+    # each instruction's opcode (after a predicate such as `@%p1`)
+    return [t[1] if t[0].startswith("@") and len(t) > 1 else t[0].rstrip(";")
+            for t in (ln.split() for ln in ptx.splitlines()) if t]
+
+def build(fn, ptrs, ints, floats, consts, pdl):
+    sig = {**ptrs, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}}
+    consts = consts | {"PDL": pdl}
+    src = ASTSource(fn, dict(sig) | {k: "constexpr" for k in consts}, constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2, "launch_pdl": pdl})
+    ops = opcodes(k.asm["ptx"])
+    gdc = [i for i, op in enumerate(ops) if op.startswith("griddepcontrol")]
+    first = gdc[0] if gdc else len(ops)
+    return {"gdc": [ops[i] for i in gdc],
+            "loads_before": sum(op.startswith(("ld.global", "cp.async")) for op in ops[:first]),
+            "stores_before": sum(op.startswith(("st.global", "red.", "atom."))
+                                 for op in ops[:first])}
+
+bf16, f32, i32, i64 = "*bf16", "*fp32", "*i32", "*i64"
+kernels = {
+    "rotary": (ro._qk_rotary,
+               dict(q_ptr=bf16, k_ptr=bf16, q_out=bf16, k_out=bf16, v_ptr=bf16, v_cache=bf16,
+                    slots=i64, positions=i64, cos_ptr=bf16, sin_ptr=bf16, qw_ptr=bf16,
+                    kw_ptr=bf16),
+               ["num_q", "num_k", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                "stride_vt", "stride_vh", "stride_cos"], ["eps"],
+               dict(HALF=64, BLOCK_Q=16, BLOCK_K=8, BLOCK_HALF=64, HAS_NORM=True,
+                    WRITE_CACHE=True)),
+    "decode_split": (da._decode_split,
+                     dict(q_ptr=bf16, k_cache=bf16, v_cache=bf16, block_tables=i32,
+                          seq_lens=i32, out_ptr=f32, lse_ptr=f32),
+                     ["window", "stride_qb", "stride_qh", "stride_kn", "stride_kt",
+                      "stride_kh", "stride_vn", "stride_vt", "stride_vh", "stride_bt",
+                      "stride_ob", "stride_oh", "stride_os"], ["scale"],
+                     dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
+                          BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True)),
+    "combine": (da._combine, dict(part_ptr=f32, lse_ptr=f32, out_ptr=bf16),
+                ["stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"], [],
+                dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, BLOCK_S=16)),
+    "rms_norm": (rn._rms_norm,
+                 dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16, res_out_ptr=bf16),
+                 ["inner", "stride_x0", "stride_x1", "stride_r0", "stride_r1"], ["eps"],
+                 dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True)),
+}
+try:
+    found = {f"{name} pdl={pdl}": build(*spec, pdl) for name, spec in kernels.items()
+             for pdl in (False, True)}
+except TypeError as e:  # another Triton's ASTSource
+    print(json.dumps({"skip": f"ASTSource: {e}"}))
+    sys.exit(0)
+print(json.dumps({"compiled": found}))
+"""
+
+
+def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote() -> None:
+    """As programmatic dependent launches (`--pdl`) the rotation, decode attention's split
+    and combine, and the norm wait (griddepcontrol.wait), then let the next launch start,
+    before any store and before any load but the split's sequence length (staged by the
+    host); without PDL neither instruction is there."""
+    compiled = _compile(_DEPENDENT)["compiled"]
+    assert len(compiled) == 8, compiled
+    for name, found in compiled.items():
+        if name.endswith("pdl=False"):
+            assert found["gdc"] == [], (name, found)
+            continue
+        assert found["gdc"][:2] == [
+            "griddepcontrol.wait",
+            "griddepcontrol.launch_dependents",
+        ], (name, found)
+        assert found["stores_before"] == 0, (name, found)
+        assert found["loads_before"] == (1 if name.startswith("decode_split") else 0), (
+            name,
+            found,
+        )

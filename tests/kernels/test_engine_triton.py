@@ -20,7 +20,7 @@ from compute_plane.loader import load_model
 from compute_plane.model_runner import ModelRunner
 from tests.compute.step_driver import StepDriver
 from tests.conftest import make_tiny_model
-from tests.kernels.reference import DEVICE, PagedCache
+from tests.kernels.reference import DEVICE, ON_GPU, PagedCache
 
 pytest.importorskip("triton")
 
@@ -73,7 +73,9 @@ def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
     return out, ref
 
 
-def _engine(path: Path, backend: str, staged: bool = False, fused_linear: str = "off") -> Engine:
+def _engine(
+    path: Path, backend: str, staged: bool = False, fused_linear: str = "off", pdl: str = "off"
+) -> Engine:
     cfg = ComputeConfig(
         model=str(path),
         device=DEVICE.type,
@@ -84,6 +86,7 @@ def _engine(path: Path, backend: str, staged: bool = False, fused_linear: str = 
         gpu_memory_utilization=0.05,  # on a GPU: a small pool, as on the CPU
         cuda_graphs=False,
         fused_linear=fused_linear,
+        pdl=pdl,
     )
     engine = Engine(cfg, load_model(path, progress=False))
     engine.warmup()  # where the fused linears are switched on
@@ -122,17 +125,33 @@ def _drive(engine: Engine) -> dict[str, list[int]]:
     return {rid: list(st.token_ids) for rid, st in engine.requests.items()}
 
 
-@pytest.mark.parametrize(
-    ("staged", "fused_linear"),
-    [(False, "off"), (True, "off"), (True, "on")],
-    ids=["host-views", "staged", "fused-linears"],
+HOPPER = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="programmatic dependent launches need a Hopper or later GPU",
 )
-def test_engine_logits_equal_the_torch_backend(tiny, staged: bool, fused_linear: str) -> None:  # type: ignore[no-untyped-def]
+
+
+@pytest.mark.parametrize(
+    ("staged", "fused_linear", "pdl"),
+    [
+        (False, "off", "off"),
+        (True, "off", "off"),
+        (True, "on", "off"),
+        pytest.param(True, "on", "on", marks=[*ON_GPU, HOPPER], id="dependent-launches"),
+    ],
+    ids=["host-views", "staged", "fused-linears", "dependent-launches"],
+)
+def test_engine_logits_equal_the_torch_backend(
+    tiny, staged: bool, fused_linear: str, pdl: str
+) -> None:  # type: ignore[no-untyped-def]
     """With fused linears on, every step here (at most 11 tokens) runs a layer's norms
-    and SiLU inside its projections' kernels (kernels/fused_linear.py)."""
+    and SiLU inside its projections' kernels (kernels/fused_linear.py). With `--pdl on`
+    (a Hopper GPU) every Triton kernel of a step is a programmatic dependent launch: a
+    read before its wait for the kernel before would change the logits."""
     path, ref = tiny
-    triton_engine = _engine(path, "triton", staged, fused_linear)
+    triton_engine = _engine(path, "triton", staged, fused_linear, pdl)
     torch_engine = _engine(path, "torch")
+    assert triton_engine.dependent_launch == (pdl == "on")
     assert triton_engine.model.fused_rows == (16 if fused_linear == "on" else 0)
     assert triton_engine.describe().attention_backend == "triton"
     assert torch_engine.describe().attention_backend == "torch"
@@ -196,3 +215,15 @@ def test_verifying_proposals_keeps_greedy_tokens(tiny) -> None:  # type: ignore[
     plain = run(False)
     assert run(True, plain) == plain
     assert engine.stats().num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
+def test_dependent_launches_need_a_hopper_gpu(tiny) -> None:  # type: ignore[no-untyped-def]
+    """`--pdl auto` on a CPU launches as before; `--pdl on` there is refused at start-up
+    with the flag named, and `--pdl maybe` is not a mode."""
+    path, _ = tiny
+    assert not _engine(path, "triton", pdl="auto").dependent_launch
+    with pytest.raises(ValueError, match="--pdl on needs the Triton path on a Hopper"):
+        _engine(path, "triton", pdl="on")
+    with pytest.raises(ValueError, match="pdl must be auto, on or off"):
+        ComputeConfig(model=str(path), pdl="maybe")
