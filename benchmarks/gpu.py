@@ -296,25 +296,37 @@ def _graph_kernels(engine: Any, batch: int) -> tuple[int | None, list[dict[str, 
 
 def step_times(engine: Any, peak: float, both_launches: bool = False) -> list[dict[str, Any]]:
     """The decode graph's replay at batch 1, 64 and 256 (context 512) against its memory
-    bound, with the kernels it runs. `both_launches`: on a GPU that takes programmatic
-    dependent launches (`--pdl`), the same rows the other way too (the graphs captured
-    again), each row with `pdl`, and `pdl_same_output`: whether both ways' batch-1 hidden
-    states are equal bit for bit (the same kernels; a launch that read before its
+    bound, with the kernels it runs; each row says how the kernels were launched (`pdl`:
+    as programmatic dependents, `--pdl`; `preload`: the matrix-vector linears tuned among
+    the configs that read their first weight tile before they wait, as with `--pdl`).
+    `both_launches`: on a GPU that takes dependent launches, the same rows each other way
+    (the graphs captured again), the engine's own way first; each row with a counterpart of
+    the same linears launched the other way has `same_output`: whether their batch-1
+    hidden states are equal bit for bit (the same arithmetic; a launch that read before its
     `griddepcontrol.wait` would differ)."""
-    rows = _step_rows(engine, peak)
+    from compute_plane.kernels import fused_linear
+
+    pdl = engine.dependent_launch
+    preload = pdl if fused_linear.Preload.only is None else fused_linear.Preload.only
+    rows = _step_rows(engine, peak, pdl, preload)
     if not both_launches or torch.cuda.get_device_capability() < (9, 0):
         return rows
     from compute_plane.kernels import set_dependent_launch
 
-    ours = engine.dependent_launch
-    first = _graph_output(engine, 1)
+    outputs = {preload: _graph_output(engine, 1)}  # by the linears' configs
+    ways = [(p, q) for q in (preload, not preload) for p in (pdl, not pdl)][1:]
     try:
-        set_dependent_launch(not ours)
-        engine.graphs.capture()
-        same = bool(torch.equal(first, _graph_output(engine, 1)))
-        rows += [r | {"pdl_same_output": same} for r in _step_rows(engine, peak, not ours)]
+        for p, q in ways:
+            set_dependent_launch(p)
+            fused_linear.Preload.only = q
+            engine.graphs.capture()
+            out = _graph_output(engine, 1)
+            same = {"same_output": bool(torch.equal(outputs[q], out))} if q in outputs else {}
+            outputs.setdefault(q, out)
+            rows += [r | same for r in _step_rows(engine, peak, p, q)]
     finally:
-        set_dependent_launch(ours)
+        set_dependent_launch(pdl)
+        fused_linear.Preload.only = None
         engine.graphs.capture()
     return rows
 
@@ -330,7 +342,7 @@ def _graph_output(engine: Any, batch: int, ctx: int = 512) -> torch.Tensor:
     return graphs.outputs[size][:batch].clone()
 
 
-def _step_rows(engine: Any, peak: float, pdl: bool | None = None) -> list[dict[str, Any]]:
+def _step_rows(engine: Any, peak: float, pdl: bool, preload: bool) -> list[dict[str, Any]]:
     cfg = engine.model_config
     weight_bytes = engine.model.weight_bytes
     per_token_kv = (
@@ -350,7 +362,8 @@ def _step_rows(engine: Any, peak: float, pdl: bool | None = None) -> list[dict[s
             {
                 "batch": batch,
                 "context": ctx,
-                "pdl": engine.dependent_launch if pdl is None else pdl,
+                "pdl": pdl,
+                "preload": preload,
                 "ms": round(t * 1e3, 3),
                 "memory_bound_ms": round(bound * 1e3, 3),
                 "of_memory_bound": round(bound / t, 3),

@@ -166,7 +166,8 @@ for native in (True, False):
                     ["window", "stride_qb", "stride_qh", *strides, "stride_ob", "stride_oh",
                      "stride_os"], ["scale"],
                     dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
-                         BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION="tf32", NATIVE=native), 4)
+                         BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION="tf32", NATIVE=native,
+                         PDL=False), 4)
         done[f"decode native={native} splits={splits}"] = asm
     asm = build(pa._prefill, bf16 | {"q_start": "*i32", "out_ptr": "*bf16"},
                 ["window", "stride_qt", "stride_qh", *strides, "stride_ot", "stride_oh"],
