@@ -81,6 +81,10 @@ def _decode_split(
     stride_ob,
     stride_oh,
     stride_os,
+    tickets,  # [B * KVH] int32, zero between launches (FOLD)
+    final_ptr,  # [B, H, D]: the merged output (FOLD)
+    stride_fb,
+    stride_fh,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -90,6 +94,8 @@ def _decode_split(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NATIVE: tl.constexpr,  # dots on the cache's bf16/fp16 values, not on fp32 copies
+    FOLD: tl.constexpr = False,  # the last split of each (sequence, KV head) merges them
+    BLOCK_S: tl.constexpr = 1,  # (FOLD) NUM_SPLITS padded to a power of two
     PDL: tl.constexpr = False,  # a programmatic dependent launch (kernels.set_dependent_launch)
 ):
     seq = tl.program_id(0)
@@ -160,6 +166,55 @@ def _decode_split(
             lse,
             mask=g_mask,
         )
+        if FOLD:  # the split that finishes last merges the group's heads (no _combine launch)
+            tl.debug_barrier()  # every thread's stores above, before the count is taken
+            ticket = tickets + seq * tl.num_programs(1) + kvh
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
+                for j in tl.static_range(GROUP):
+                    _merge(
+                        out_ptr, lse_ptr, final_ptr, seq, kvh * GROUP + j, stride_ob,
+                        stride_oh, stride_os, stride_fb, stride_fh,
+                        tl.num_programs(1) * GROUP, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S,
+                        ".cg",
+                    )  # fmt: skip
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # for the next launch
+
+
+@triton.jit
+def _merge(
+    part_ptr, lse_ptr, out_ptr, seq, head, stride_pb, stride_ph, stride_ps, stride_ob,
+    stride_oh, num_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr,
+):  # fmt: skip
+    """One head's output: its splits' partial outputs weighed by their share of the
+    softmax (exp(lse - max), normalised). CACHE: the loads' cache modifier ("" or ".cg":
+    past the SM's L1, for partials other programs wrote during this launch)."""
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < NUM_SPLITS
+    lse = tl.load(
+        lse_ptr + (seq * num_heads + head) * NUM_SPLITS + s,
+        mask=s_mask,
+        other=float("-inf"),
+        cache_modifier=CACHE,
+    )
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # only a zero-length sequence has no split
+    w = tl.exp(lse - top)
+    total = tl.sum(w, 0)
+    w = w / tl.where(total > 0.0, total, 1.0)
+    parts = tl.load(
+        part_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None] & (d[None, :] < HEAD_DIM),
+        other=0.0,
+        cache_modifier=CACHE,
+    )
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 @triton.jit
@@ -182,30 +237,33 @@ def _combine(
     if PDL:  # the partials are the split kernel's writes; nothing is read or written above
         gdc_wait()
         gdc_launch_dependents()
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    lse = tl.load(
-        lse_ptr + (seq * NUM_HEADS + head) * NUM_SPLITS + s, mask=s_mask, other=float("-inf")
-    )
-    top = tl.max(lse, 0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # only a zero-length sequence has no split
-    w = tl.exp(lse - top)
-    total = tl.sum(w, 0)
-    w = w / tl.where(total > 0.0, total, 1.0)
-    parts = tl.load(
-        part_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-        mask=s_mask[:, None] & (d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    out = tl.sum(parts * w[:, None], 0)
-    tl.store(
-        out_ptr + seq * stride_ob + head * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_DIM,
-    )
+    _merge(
+        part_ptr, lse_ptr, out_ptr, tl.program_id(0), tl.program_id(1), stride_pb, stride_ph,
+        stride_ps, stride_ob, stride_oh, NUM_HEADS, HEAD_DIM, BLOCK_D, NUM_SPLITS, BLOCK_S, "",
+    )  # fmt: skip
+
+
+class Fold:
+    """Whether decode attention over several splits merges them in its last split
+    (`paged_decode_attention`'s `fold`; `benchmarks.gpu` times both ways)."""
+
+    combine = True
+
+
+# Each device's (and CUDA stream's) tickets: a count per (sequence, KV head) of the splits
+# done, which the last one sets back to zero. Allocated before any graph is captured (a
+# capture's warm-up forward runs first, largest batch first) and kept: graphs use them.
+_TICKETS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, n: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    have = _TICKETS.get(key)
+    if have is None or have.numel() < n:
+        have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _TICKETS[key] = have
+    return have
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -243,6 +301,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     native: bool | None = None,
+    fold: bool | None = None,
 ) -> torch.Tensor:
     """softmax(q·Kᵀ·scale)·V over each sequence's first seq_len cached tokens (with a
     `window`, only the last `window` of them); returns [B, H, D].
@@ -251,6 +310,9 @@ def paged_decode_attention(
     `num_splits` > 1 splits each context (or window) into that many parts (flash-decoding).
     `native`: dots on bf16/fp16 values as they are (default: `native_dots`); False runs
     them on fp32 copies (as before 2026-11-26; a benchmark's comparison).
+    `fold` (with splits): the split of each (sequence, KV head) that finishes last merges
+    the partial outputs, counted by an atomic ticket, instead of a `_combine` launch after
+    (default: `Fold.combine`); the same arithmetic either way.
     """
     if native is None:
         native = native_dots(k_cache.dtype)
@@ -285,20 +347,29 @@ def paged_decode_attention(
         _decode_split[(b, kvh, 1)](
             q, k_cache, v_cache, block_tables, seq_lens, out, out, scale, window or 0,
             q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
-            out.stride(0), out.stride(1), 0, **common,
+            out.stride(0), out.stride(1), 0, out, out, 0, 0, **common,
         )  # fmt: skip
         return out
     parts = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
+    block_s = triton.next_power_of_2(num_splits)
+    if Fold.combine if fold is None else fold:
+        _decode_split[(b, kvh, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, parts, lse, scale, window or 0,
+            q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
+            parts.stride(0), parts.stride(1), parts.stride(2), _tickets(q.device, b * kvh),
+            out, out.stride(0), out.stride(1), FOLD=True, BLOCK_S=block_s, **common,
+        )  # fmt: skip
+        return out
     _decode_split[(b, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, parts, lse, scale, window or 0,
         q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
-        parts.stride(0), parts.stride(1), parts.stride(2), **common,
+        parts.stride(0), parts.stride(1), parts.stride(2), lse, out, 0, 0, **common,
     )  # fmt: skip
     _combine[(b, h)](
         parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2),
         out.stride(0), out.stride(1),
         NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), **dependent_launch(),
+        BLOCK_S=block_s, **dependent_launch(),
     )  # fmt: skip
     return out

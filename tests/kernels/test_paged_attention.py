@@ -9,6 +9,7 @@ from tests.kernels.reference import DEVICE, ON_GPU, TOL, PagedCache, attend
 
 pytest.importorskip("triton")
 
+from compute_plane.kernels import decode_attention
 from compute_plane.kernels.decode_attention import (
     choose_num_splits,
     paged_decode_attention,
@@ -76,6 +77,35 @@ def test_more_splits_than_blocks_of_context() -> None:
     for i, n in enumerate(lens):
         expected = attend(q[i], *cache.context(tables[i], n), 0.125)
         assert (out[i].double() - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_merging_in_the_last_split_equals_the_combine_kernel(window: int | None) -> None:
+    """The splits merged by whichever finishes last (`fold`, the default) give the very
+    values the `_combine` launch gives (the same arithmetic), with empty splits and a
+    sliding window among them; the tickets are all back at zero after each launch, so
+    the next launch (the next layer, the next step's graph replay) counts afresh."""
+    cache = PagedCache(24, 8, 2, 80, torch.float32, seed=5)
+    lens = [1, 40, 17, 3]
+    tables = cache.tables(lens)
+    q = torch.randn(4, 8, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+    def run(fold: bool) -> torch.Tensor:
+        return paged_decode_attention(
+            q, cache.k, cache.v, tables, lens_t, 0.11, num_splits=6, window=window, fold=fold
+        )
+
+    apart = run(False)
+    for _ in range(2):  # twice: the second launch reuses the first one's tickets
+        merged = run(True)
+        assert torch.equal(merged, apart)
+        assert all(not int(t.count_nonzero()) for t in decode_attention._TICKETS.values())
+    for i, n in enumerate(lens):
+        first = 0 if window is None else max(n - window, 0)
+        k, v = cache.context(tables[i], n)
+        expected = attend(q[i], k[first:], v[first:], 0.11)
+        assert (merged[i].double() - expected).abs().max().item() <= 1e-5
 
 
 def test_split_count_heuristic() -> None:
