@@ -161,20 +161,26 @@ strides = ["stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt", "str
            "stride_bt"]
 bf16 = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
         "block_tables": "*i32", "seq_lens": "*i32"}
+ROTATING = {"tickets": "*i32", "final_ptr": "*bf16", "k_new": "*bf16", "v_new": "*bf16",
+            "positions": "*i64", "slots": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+            "qw_ptr": "*bf16", "kw_ptr": "*bf16"}
 done = {}
 for native in (True, False):
     # the output written directly, or partials for the combine, or merged by the last split
-    for splits, fold in ((1, False), (33, False), (33, True)):
+    # and with the step's rotation and K/V write in the same launch
+    for splits, fold, rotate in ((1, False, False), (33, False, False), (33, True, False),
+                                 (33, True, True)):
         out = "*bf16" if splits == 1 else "*fp32"
-        asm = build(da._decode_split,
-                    bf16 | {"out_ptr": out, "lse_ptr": "*fp32", "tickets": "*i32",
-                            "final_ptr": "*bf16"},
+        asm = build(da._decode_split, bf16 | ROTATING | {"out_ptr": out, "lse_ptr": "*fp32"},
                     ["window", "stride_qb", "stride_qh", *strides, "stride_ob", "stride_oh",
-                     "stride_os", "stride_fb", "stride_fh"], ["scale"],
+                     "stride_os", "stride_fb", "stride_fh", "stride_nb", "stride_nh",
+                     "stride_cos"], ["scale", "eps"],
                     dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                          BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION="tf32", NATIVE=native,
-                         FOLD=fold, BLOCK_S=64 if fold else 1, PDL=False), 4)
-        done[f"decode native={native} splits={splits}{' fold' if fold else ''}"] = asm
+                         FOLD=fold, BLOCK_S=64 if fold else 1, ROTATE=rotate, HAS_NORM=rotate,
+                         PDL=False), 4)
+        name = f"decode native={native} splits={splits}"
+        done[name + " fold" * fold + " rotate" * rotate] = asm
     asm = build(pa._prefill, bf16 | {"q_start": "*i32", "out_ptr": "*bf16"},
                 ["window", "stride_qt", "stride_qh", *strides, "stride_ot", "stride_oh"],
                 ["scale"],
@@ -189,19 +195,23 @@ def test_attention_kernels_compile_for_sm90() -> None:
     """Decode (one split and several) and prefill attention, with bf16 dots and with fp32
     copies: each compiles for sm_90 and its dots are tensor-core instructions."""
     compiled = _compile(_ATTENTION)["compiled"]
-    assert len(compiled) == 8, compiled
+    assert len(compiled) == 10, compiled
     for name, mma in compiled.items():
         native = "native=True" in name
         # bf16 dots natively (and no tf32 ones); the fp32 copies' tf32 dots twice as many
         assert mma["mma"] > 0 and mma["bf16"] == (mma["mma"] if native else 0), (name, mma)
         # merged by the last split: its ticket taken by an acquire-release atomic (the
         # splits' partials seen by the one that merges them); no atomics otherwise
-        fold = name.endswith(" fold")
+        fold = " fold" in name
         assert bool(mma["atom"]) == fold, (name, mma)
         assert all(".gpu." in op for op in mma["atom"]), mma
         assert any(".acq_rel." in op and ".add." in op for op in mma["atom"]) == fold, mma
     for kind in ("decode", "prefill"):
-        for splits in (" splits=1", " splits=33", " splits=33 fold") if kind == "decode" else ("",):
+        for splits in (
+            (" splits=1", " splits=33", " splits=33 fold", " splits=33 fold rotate")
+            if kind == "decode"
+            else ("",)
+        ):
             ours = compiled[f"{kind} native=True{splits}"]["mma"]
             assert 2 * ours >= compiled[f"{kind} native=False{splits}"]["mma"] > ours
 
@@ -249,14 +259,29 @@ kernels = {
     "decode_split": (da._decode_split,
                      dict(q_ptr=bf16, k_cache=bf16, v_cache=bf16, block_tables=i32,
                           seq_lens=i32, out_ptr=f32, lse_ptr=f32, tickets=i32,
-                          final_ptr=bf16),
+                          final_ptr=bf16, k_new=bf16, v_new=bf16, positions=i64, slots=i64,
+                          cos_ptr=bf16, sin_ptr=bf16, qw_ptr=bf16, kw_ptr=bf16),
                      ["window", "stride_qb", "stride_qh", "stride_kn", "stride_kt",
                       "stride_kh", "stride_vn", "stride_vt", "stride_vh", "stride_bt",
-                      "stride_ob", "stride_oh", "stride_os", "stride_fb", "stride_fh"],
-                     ["scale"],
+                      "stride_ob", "stride_oh", "stride_os", "stride_fb", "stride_fh",
+                      "stride_nb", "stride_nh", "stride_cos"],
+                     ["scale", "eps"],
                      dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                           BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True,
-                          FOLD=True, BLOCK_S=16)),
+                          FOLD=True, BLOCK_S=16, ROTATE=False, HAS_NORM=False)),
+    "decode_rotate": (da._decode_split,
+                      dict(q_ptr=bf16, k_cache=bf16, v_cache=bf16, block_tables=i32,
+                           seq_lens=i32, out_ptr=f32, lse_ptr=f32, tickets=i32,
+                           final_ptr=bf16, k_new=bf16, v_new=bf16, positions=i64, slots=i64,
+                           cos_ptr=bf16, sin_ptr=bf16, qw_ptr=bf16, kw_ptr=bf16),
+                      ["window", "stride_qb", "stride_qh", "stride_kn", "stride_kt",
+                       "stride_kh", "stride_vn", "stride_vt", "stride_vh", "stride_bt",
+                       "stride_ob", "stride_oh", "stride_os", "stride_fb", "stride_fh",
+                       "stride_nb", "stride_nh", "stride_cos"],
+                      ["scale", "eps"],
+                      dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
+                           BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True,
+                           FOLD=True, BLOCK_S=16, ROTATE=True, HAS_NORM=True)),
     "combine": (da._combine, dict(part_ptr=f32, lse_ptr=f32, out_ptr=bf16),
                 ["stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"], [],
                 dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, BLOCK_S=16)),
@@ -281,7 +306,7 @@ def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote(
     before any store and before any load but the split's sequence length (staged by the
     host); without PDL neither instruction is there."""
     compiled = _compile(_DEPENDENT)["compiled"]
-    assert len(compiled) == 8, compiled
+    assert len(compiled) == 10, compiled
     for name, found in compiled.items():
         if name.endswith("pdl=False"):
             assert found["gdc"] == [], (name, found)
@@ -291,7 +316,10 @@ def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote(
             "griddepcontrol.launch_dependents",
         ], (name, found)
         assert found["stores_before"] == 0, (name, found)
-        assert found["loads_before"] == (1 if name.startswith("decode_split") else 0), (
-            name,
-            found,
-        )
+        if name.startswith("decode_rotate"):  # its first tile of K and V, and the table's
+            assert found["loads_before"] >= 4, (name, found)  # rows (the cache: no writer)
+        else:
+            assert found["loads_before"] == (1 if name.startswith("decode_split") else 0), (
+                name,
+                found,
+            )

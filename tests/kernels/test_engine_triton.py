@@ -227,3 +227,50 @@ def test_dependent_launches_need_a_hopper_gpu(tiny) -> None:  # type: ignore[no-
         _engine(path, "triton", pdl="on")
     with pytest.raises(ValueError, match="pdl must be auto, on or off"):
         ComputeConfig(model=str(path), pdl="maybe")
+
+
+def test_rows_of_one_request_never_take_the_one_launch_rotation(tiny) -> None:  # type: ignore[no-untyped-def]
+    """A step whose one-token rows are queries of one request (a proposal's k + 1 rows:
+    `shared_requests`) must write every row's K/V before any row attends, so the model
+    does not run `rotate_attend` (where a row's K/V is written as it attends) for it; a
+    decode step of distinct requests does, once a layer. The decode graphs replay their
+    second set, captured without it, for such steps."""
+    from compute_plane.cuda_graphs import DecodeGraphs
+
+    path, _ = tiny
+    engine = _engine(path, "triton")
+    model = engine.model
+    real, calls = model.rotate_attend, []
+    assert real is not None
+
+    def spy(*args: object) -> torch.Tensor:
+        calls.append(args)
+        return real(*args)
+
+    model.rotate_attend = spy
+    ids = torch.tensor([5, 6], device=DEVICE)
+    positions = torch.tensor([3, 4], device=DEVICE)
+
+    def meta(shared: bool) -> AttentionMetadata:
+        table = torch.tensor([[1, 0], [1, 0]], dtype=torch.int32, device=DEVICE)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor([3, 4], device=DEVICE) + BLOCK,
+            block_tables=table,
+            seq_lens=[4, 5],
+            query_lens=[1, 1],
+            num_decodes=2,
+            block_size=BLOCK,
+            shared_requests=shared,
+        )
+
+    model.forward(ids, positions, meta(False), engine.kv_cache.layers)
+    assert len(calls) == engine.model_config.num_layers
+    model.forward(ids, positions, meta(True), engine.kv_cache.layers)
+    assert len(calls) == engine.model_config.num_layers  # not again
+
+    graphs = DecodeGraphs(model, engine.kv_cache.layers, BLOCK, 64, 4)
+    graphs.graphs, graphs.shared_graphs = {1: None, 2: None}, {4: None}  # (sizes held)
+    assert graphs.padded_size(meta(False)) == 2
+    assert graphs.padded_size(meta(True)) == 4
+    model.rotate_attend = None  # a model without the one launch: one set serves all
+    assert graphs.padded_size(meta(True)) == 2
