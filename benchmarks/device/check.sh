@@ -35,7 +35,7 @@
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
 # while the next one runs; the bench stage stops after $BENCH_TIMEOUT seconds (420 unless
 # set), the tests stage after $TESTS_TIMEOUT (180). $BENCH_PARTS: the bench stage's --parts
-# (kernels,engine,grpc unless set).
+# (kernels,engine,grpc unless set), $BENCH_ARGS more arguments of it (--grpc-paths grpc).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 OUT="${OUT:-/tmp/out}"
@@ -67,7 +67,8 @@ for stage in "${stages[@]}"; do
       # capped too (a hang in this process would hold the call to its end), and each
       # gRPC path within --path-timeout
       timeout -s INT -k 30 "${BENCH_TIMEOUT:-420}" python3 -m benchmarks.gpu \
-        --parts "${BENCH_PARTS:-kernels,engine,grpc}" --path-timeout 150 --out "$OUT/gpu.json" 2>&1 \
+        --parts "${BENCH_PARTS:-kernels,engine,grpc}" --path-timeout 150 ${BENCH_ARGS:-} \
+        --out "$OUT/gpu.json" 2>&1 \
         | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
