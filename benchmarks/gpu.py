@@ -296,44 +296,37 @@ def _graph_kernels(engine: Any, batch: int) -> tuple[int | None, list[dict[str, 
 
 def step_times(engine: Any, peak: float, both_launches: bool = False) -> list[dict[str, Any]]:
     """The decode graph's replay at batch 1, 64 and 256 (context 512) against its memory
-    bound, with the kernels it runs; each row says how its kernels were launched: `pdl`
-    (programmatic dependent launches, `--pdl`), `preload` (the matrix-vector linears
-    tuned among the configs that read their first weight tile before they wait, as with
-    `--pdl`) and `fold` (the step's rotation and K/V write inside decode attention's
-    launch, its splits merged by the last one: no rotary or combine launches).
+    bound, with the kernels it runs; each row says how the kernels were launched (`pdl`:
+    as programmatic dependents, `--pdl`; `preload`: the matrix-vector linears tuned among
+    the configs that read their first weight tile before they wait, as with `--pdl`).
     `both_launches`: on a GPU that takes dependent launches, the same rows each other way
-    too (the graphs captured again): one of the three switched from the engine's own way
-    at a time, then all three, each with `max_abs_diff`, its batch-1 hidden states'
-    largest difference from the engine's own way's (0 where only `pdl` differs: the same
-    arithmetic; a launch that read before its `griddepcontrol.wait` would differ)."""
-    from compute_plane.kernels import decode_attention, fused_linear, set_dependent_launch
+    (the graphs captured again), the engine's own way first; each row with a counterpart of
+    the same linears launched the other way has `same_output`: whether their batch-1
+    hidden states are equal bit for bit (the same arithmetic; a launch that read before its
+    `griddepcontrol.wait` would differ)."""
+    from compute_plane.kernels import fused_linear
 
-    model = engine.model
-    rotate_attend = model.rotate_attend
     pdl = engine.dependent_launch
-    ours = (pdl, pdl if fused_linear.Preload.only is None else fused_linear.Preload.only,
-            rotate_attend is not None and decode_attention.Fold.combine)  # fmt: skip
-    rows = _step_rows(engine, peak, *ours)
+    preload = pdl if fused_linear.Preload.only is None else fused_linear.Preload.only
+    rows = _step_rows(engine, peak, pdl, preload)
     if not both_launches or torch.cuda.get_device_capability() < (9, 0):
         return rows
-    first = _graph_output(engine, 1)
-    ways = [tuple(not v if i == flip else v for i, v in enumerate(ours)) for flip in range(3)] + [
-        tuple(not v for v in ours)
-    ]
+    from compute_plane.kernels import set_dependent_launch
+
+    outputs = {preload: _graph_output(engine, 1)}  # by the linears' configs
+    ways = [(p, q) for q in (preload, not preload) for p in (pdl, not pdl)][1:]
     try:
-        for p, q, f in ways:
+        for p, q in ways:
             set_dependent_launch(p)
             fused_linear.Preload.only = q
-            decode_attention.Fold.combine = f
-            model.rotate_attend = rotate_attend if f else None
             engine.graphs.capture()
-            diff = float((first.float() - _graph_output(engine, 1).float()).abs().max())
-            rows += [r | {"max_abs_diff": diff} for r in _step_rows(engine, peak, p, q, f)]
+            out = _graph_output(engine, 1)
+            same = {"same_output": bool(torch.equal(outputs[q], out))} if q in outputs else {}
+            outputs.setdefault(q, out)
+            rows += [r | same for r in _step_rows(engine, peak, p, q)]
     finally:
         set_dependent_launch(pdl)
         fused_linear.Preload.only = None
-        decode_attention.Fold.combine = True
-        model.rotate_attend = rotate_attend
         engine.graphs.capture()
     return rows
 
@@ -349,9 +342,7 @@ def _graph_output(engine: Any, batch: int, ctx: int = 512) -> torch.Tensor:
     return graphs.outputs[size][:batch].clone()
 
 
-def _step_rows(
-    engine: Any, peak: float, pdl: bool, preload: bool, fold: bool
-) -> list[dict[str, Any]]:
+def _step_rows(engine: Any, peak: float, pdl: bool, preload: bool) -> list[dict[str, Any]]:
     cfg = engine.model_config
     weight_bytes = engine.model.weight_bytes
     per_token_kv = (
@@ -373,7 +364,6 @@ def _step_rows(
                 "context": ctx,
                 "pdl": pdl,
                 "preload": preload,
-                "fold": fold,
                 "ms": round(t * 1e3, 3),
                 "memory_bound_ms": round(bound * 1e3, 3),
                 "of_memory_bound": round(bound / t, 3),

@@ -15,11 +15,6 @@ Everything the kernels decide on the host is frozen at capture: the split-K coun
 is chosen for max_model_len, so it holds for any context a replay meets. Steps
 with prefill tokens, more requests than the largest graph, or a block table wider
 than max_model_len needs run eagerly.
-
-Where the model rotates, writes K/V and attends in one launch (`Model.rotate_attend`),
-that launch cannot serve rows that see each other's new K/V (a proposal's k + 1 rows of
-one request: `AttentionMetadata.shared_requests`); such steps replay a second set of
-graphs, captured with the rotation and its K/V write launched before the attention.
 """
 
 from __future__ import annotations
@@ -66,11 +61,8 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        # (steps with shared requests, where the model's one-launch rotation does not serve)
-        self.shared_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.shared_outputs: dict[int, torch.Tensor] = {}
 
-    def _meta(self, b: int, shared: bool = False) -> AttentionMetadata:
+    def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slots[:b],
             block_tables=self.tables[:b],
@@ -79,37 +71,29 @@ class DecodeGraphs:
             num_decodes=b,
             block_size=self.block_size,
             seq_lens_tensor=self.seq_lens[:b],
-            shared_requests=shared,
         )
 
-    def _forward(self, b: int, shared: bool = False) -> torch.Tensor:
+    def _forward(self, b: int) -> torch.Tensor:
         return self.model.forward(
-            self.input_ids[:b], self.positions[:b], self._meta(b, shared), self.kv_layers
+            self.input_ids[:b], self.positions[:b], self._meta(b), self.kv_layers
         )
 
     def capture(self) -> None:
-        """Capture every size, largest first, all in one memory pool (and the set for
-        steps of shared requests, where the model has a one-launch rotation)."""
+        """Capture every size, largest first, all in one memory pool."""
         started = time.perf_counter()
-        self.graphs, self.outputs, self.shared_graphs, self.shared_outputs = {}, {}, {}, {}
         pool = None
-        sets = [(False, self.graphs, self.outputs)]
-        if self.model.rotate_attend is not None:
-            sets.append((True, self.shared_graphs, self.shared_outputs))
-        for shared, graphs, outputs in sets:
-            for b in reversed(self.sizes):
-                self._forward(b, shared)  # compiles kernels, settles the allocator, uncaptured
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs[b] = self._forward(b, shared)
-                pool = graph.pool()
-                graphs[b] = graph
+        for b in reversed(self.sizes):
+            self._forward(b)  # compiles kernels and settles the allocator outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._forward(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
         torch.cuda.synchronize()
         log.info(
             "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
-            len(self.graphs) + len(self.shared_graphs), self.sizes[-1],
-            time.perf_counter() - started,
+            len(self.sizes), self.sizes[-1], time.perf_counter() - started,
         )  # fmt: skip
 
     def padded_size(self, meta: AttentionMetadata) -> int | None:
@@ -117,12 +101,7 @@ class DecodeGraphs:
         n = len(meta.seq_lens)
         if meta.num_decodes != n or meta.block_tables.shape[1] > self.max_blocks:
             return None
-        graphs = self.shared_graphs if self._shared(meta) else self.graphs
-        return next((b for b in self.sizes if b >= n and b in graphs), None)
-
-    def _shared(self, meta: AttentionMetadata) -> bool:
-        """Whether the step replays the set for shared requests."""
-        return meta.shared_requests and self.model.rotate_attend is not None
+        return next((b for b in self.sizes if b >= n and b in self.graphs), None)
 
     def run(
         self, b: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -147,8 +126,5 @@ class DecodeGraphs:
             self.slots[n:b].zero_()
             self.tables[n:b, 0] = 0
             self.seq_lens[n:b] = 1
-        if self._shared(meta):
-            self.shared_graphs[b].replay()
-            return self.shared_outputs[b][:n]
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -123,11 +123,6 @@ class ModelKernels:
         ]
         | None
     ) = None
-    # A decode step's rotation, its K/V write and its attention in one launch
-    # (kernels/decode_attention.rotate_and_attend): (q, k, v, positions, the rotation's
-    # tables, caches, metadata, q/k norm weights, eps, window) -> attention output; used for
-    # steps of one-token rows of distinct requests (None: rotation, then `attend`).
-    rotate_attend: Callable[..., torch.Tensor] | None = None
 
 
 def torch_kernels(cfg: ModelConfig) -> ModelKernels:
@@ -256,7 +251,6 @@ class Model:
         )
         self.attention = kernels.attention
         self.attend = kernels.attend
-        self.rotate_attend = kernels.rotate_attend
         self.fused_norm_linear = kernels.norm_linear
         self.fused_silu_linear = kernels.silu_mul_linear if self.silu_and_mul else None
         self.rows_linear = kernels.rows_linear
@@ -334,16 +328,7 @@ class Model:
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         rotary = self.rotary if layer.window is None else self.rotary_local
-        if (
-            self.rotate_attend is not None
-            and meta.num_decodes == len(meta.seq_lens)
-            and not meta.shared_requests
-        ):
-            o = self.rotate_attend(
-                q, k, v, positions, rotary.cos, rotary.sin, k_cache, v_cache, meta,
-                layer.q_norm, layer.k_norm, eps, layer.window,
-            )  # fmt: skip
-        elif self.attend is not None:
+        if self.attend is not None:
             q = rotary.rotate_into_cache(
                 q, k, v, positions, k_cache, v_cache, meta.slot_mapping, layer.q_norm,
                 layer.k_norm, eps, self.norm,

@@ -322,7 +322,6 @@ class ModelRunner:
             query_lens=query_lens,
             num_decodes=num_decodes,
             block_size=bs,
-            shared_requests=any(r.draft or r.as_decodes for r in rows),
         )
         if self._staged:  # on the device already: the backend makes no copies of its own
             meta.seq_lens_tensor = it[o:q_at]

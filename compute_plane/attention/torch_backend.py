@@ -29,10 +29,6 @@ class AttentionMetadata:
     query_lens: list[int]  # [B] tokens computed this step
     num_decodes: int  # the first num_decodes requests have query_len == 1
     block_size: int
-    # Some one-token rows are queries of the same request (a proposal's k + 1 tokens, a
-    # draft's catch-up): each sees the others' new K/V, so all of them are written before
-    # any row attends (no kernel may write a row's K/V as it attends: rotate_and_attend).
-    shared_requests: bool = False
     # Derived by the torch backend's prepare(), once per step, shared by all layers.
     decode_blocks: torch.Tensor | None = None  # [D * nb] the decodes' block tables, 0-padded
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, nb * block_size] valid positions

@@ -15,12 +15,7 @@ import torch
 from compute_plane.attention.torch_backend import AttentionMetadata
 from compute_plane.kernels import cache_ops
 from compute_plane.kernels.activation import silu_and_mul
-from compute_plane.kernels.decode_attention import (
-    StepRotation,
-    choose_num_splits,
-    paged_decode_attention,
-    rotate_and_attend,
-)
+from compute_plane.kernels.decode_attention import choose_num_splits, paged_decode_attention
 from compute_plane.kernels.fused_linear import norm_linear, rows_linear, silu_mul_linear
 from compute_plane.kernels.prefill_attention import paged_prefill_attention
 from compute_plane.kernels.rms_norm import add_rms_norm, rms_norm
@@ -94,34 +89,6 @@ class TritonPagedAttention:
             )  # fmt: skip
         return out
 
-    def rotate_attend(
-        self,
-        q: torch.Tensor,  # [B, H, D] before its rotation (views into q|k|v)
-        k: torch.Tensor,  # [B, KVH, D]
-        v: torch.Tensor,
-        positions: torch.Tensor,  # [B]
-        cos: torch.Tensor,  # the rotation's tables [max_pos, D]
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        q_weight: torch.Tensor | None,  # per-head norm weights (Qwen3), or None
-        k_weight: torch.Tensor | None,
-        eps: float,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        """A decode-only step of distinct requests: the rotation, the K/V write and the
-        attention in one launch (`rotate_and_attend`)."""
-        lens = meta.seq_lens_tensor
-        assert lens is not None, "prepare() first"
-        rotation = StepRotation(
-            k, v, positions, meta.slot_mapping, cos, sin, q_weight, k_weight, eps
-        )
-        return rotate_and_attend(
-            q, k_cache, v_cache, meta.block_tables, lens, self.scale, rotation,
-            meta.num_splits, window=window,
-        )  # fmt: skip
-
 
 class TritonRotaryEmbedding(RotaryEmbedding):
     """The same tables as the torch path, applied to q and k by one Triton kernel (with
@@ -179,7 +146,6 @@ def triton_kernels(cfg: ModelConfig, device: torch.device) -> ModelKernels:
         rotary=TritonRotaryEmbedding,
         silu_and_mul=silu_and_mul,
         attend=attention.attend,
-        rotate_attend=attention.rotate_attend,
         norm_linear=norm_linear,
         silu_mul_linear=silu_mul_linear,
         rows_linear=rows_linear,

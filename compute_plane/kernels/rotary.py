@@ -21,23 +21,6 @@ from compute_plane.kernels import dependent_launch
 
 
 @triton.jit
-def rotate_halves(
-    x1, x2, w_ptr, eps, c, s, i, i_mask, ty: tl.constexpr, HALF: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):  # fmt: skip
-    """Rows' rotated halves [R, BLOCK_HALF] in `ty`, from their halves x1, x2 as fp32 (the
-    per-head norm first with HAS_NORM, in `rms_norm`'s roundings); c, s [1, BLOCK_HALF]."""
-    if HAS_NORM:  # as rms_norm: normalise in fp32, round, scale by the weight, round
-        var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
-        r = tl.rsqrt(var + eps)[:, None]
-        w1 = tl.load(w_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * r).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
-        x2 = ((x2 * r).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
-    return (x1 * c - x2 * s).to(ty), (x2 * c + x1 * s).to(ty)
-
-
-@triton.jit
 def _heads(
     x_ptr,  # the token's first head
     stride_h,
@@ -59,10 +42,16 @@ def _heads(
     x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
     ty = out_ptr.dtype.element_ty
-    o1, o2 = rotate_halves(x1, x2, w_ptr, eps, c, s, i, i_mask, ty, HALF, HAS_NORM)
+    if HAS_NORM:  # as rms_norm: normalise in fp32, round, scale by the weight, round
+        var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
+        r = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * r).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
+        x2 = ((x2 * r).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
     dst = out_ptr + h[:, None] * (2 * HALF) + i[None, :]
-    tl.store(dst, o1, mask=mask)
-    tl.store(dst + HALF, o2, mask=mask)
+    tl.store(dst, (x1 * c - x2 * s).to(ty), mask=mask)
+    tl.store(dst + HALF, (x2 * c + x1 * s).to(ty), mask=mask)
 
 
 @triton.jit

@@ -150,37 +150,25 @@ def build(fn, ptrs, ints, floats, consts, warps):
                        options={"num_warps": warps, "num_stages": 2})
     # its tensor-core products: mma.sync.<shape>.<types>, or Hopper's warpgroup
     # wgmma.mma_async.<shape>.<types>
-    # each instruction's opcode (after a predicate such as `@%p1`)
-    ops = [t[1] if t[0].startswith("@") and len(t) > 1 else t[0]
-           for t in (line.split() for line in k.asm["ptx"].splitlines()) if t]
+    ops = (line.split()[0] for line in k.asm["ptx"].splitlines() if line.strip())
     mma = [op for op in ops if op.startswith(("mma.", "wgmma.mma_async"))]
-    atom = [op for op in ops if op.startswith("atom.")]
-    return {"mma": len(mma), "bf16": sum(".bf16.bf16" in m for m in mma), "atom": atom}
+    return {"mma": len(mma), "bf16": sum(".bf16.bf16" in m for m in mma)}
 
 strides = ["stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt", "stride_vh",
            "stride_bt"]
 bf16 = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
         "block_tables": "*i32", "seq_lens": "*i32"}
-ROTATING = {"tickets": "*i32", "final_ptr": "*bf16", "k_new": "*bf16", "v_new": "*bf16",
-            "positions": "*i64", "slots": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
-            "qw_ptr": "*bf16", "kw_ptr": "*bf16"}
 done = {}
 for native in (True, False):
-    # the output written directly, or partials for the combine, or merged by the last split
-    # and with the step's rotation and K/V write in the same launch
-    for splits, fold, rotate in ((1, False, False), (33, False, False), (33, True, False),
-                                 (33, True, True)):
+    for splits in (1, 33):  # the output written directly, or partials for the combine
         out = "*bf16" if splits == 1 else "*fp32"
-        asm = build(da._decode_split, bf16 | ROTATING | {"out_ptr": out, "lse_ptr": "*fp32"},
+        asm = build(da._decode_split, bf16 | {"out_ptr": out, "lse_ptr": "*fp32"},
                     ["window", "stride_qb", "stride_qh", *strides, "stride_ob", "stride_oh",
-                     "stride_os", "stride_fb", "stride_fh", "stride_nb", "stride_nh",
-                     "stride_cos"], ["scale", "eps"],
+                     "stride_os"], ["scale"],
                     dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                          BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION="tf32", NATIVE=native,
-                         FOLD=fold, BLOCK_S=64 if fold else 1, ROTATE=rotate, HAS_NORM=rotate,
                          PDL=False), 4)
-        name = f"decode native={native} splits={splits}"
-        done[name + " fold" * fold + " rotate" * rotate] = asm
+        done[f"decode native={native} splits={splits}"] = asm
     asm = build(pa._prefill, bf16 | {"q_start": "*i32", "out_ptr": "*bf16"},
                 ["window", "stride_qt", "stride_qh", *strides, "stride_ot", "stride_oh"],
                 ["scale"],
@@ -195,23 +183,13 @@ def test_attention_kernels_compile_for_sm90() -> None:
     """Decode (one split and several) and prefill attention, with bf16 dots and with fp32
     copies: each compiles for sm_90 and its dots are tensor-core instructions."""
     compiled = _compile(_ATTENTION)["compiled"]
-    assert len(compiled) == 10, compiled
+    assert len(compiled) == 6, compiled
     for name, mma in compiled.items():
         native = "native=True" in name
         # bf16 dots natively (and no tf32 ones); the fp32 copies' tf32 dots twice as many
         assert mma["mma"] > 0 and mma["bf16"] == (mma["mma"] if native else 0), (name, mma)
-        # merged by the last split: its ticket taken by an acquire-release atomic (the
-        # splits' partials seen by the one that merges them); no atomics otherwise
-        fold = " fold" in name
-        assert bool(mma["atom"]) == fold, (name, mma)
-        assert all(".gpu." in op for op in mma["atom"]), mma
-        assert any(".acq_rel." in op and ".add." in op for op in mma["atom"]) == fold, mma
     for kind in ("decode", "prefill"):
-        for splits in (
-            (" splits=1", " splits=33", " splits=33 fold", " splits=33 fold rotate")
-            if kind == "decode"
-            else ("",)
-        ):
+        for splits in (" splits=1", " splits=33") if kind == "decode" else ("",):
             ours = compiled[f"{kind} native=True{splits}"]["mma"]
             assert 2 * ours >= compiled[f"{kind} native=False{splits}"]["mma"] > ours
 
@@ -258,30 +236,12 @@ kernels = {
                     WRITE_CACHE=True)),
     "decode_split": (da._decode_split,
                      dict(q_ptr=bf16, k_cache=bf16, v_cache=bf16, block_tables=i32,
-                          seq_lens=i32, out_ptr=f32, lse_ptr=f32, tickets=i32,
-                          final_ptr=bf16, k_new=bf16, v_new=bf16, positions=i64, slots=i64,
-                          cos_ptr=bf16, sin_ptr=bf16, qw_ptr=bf16, kw_ptr=bf16),
+                          seq_lens=i32, out_ptr=f32, lse_ptr=f32),
                      ["window", "stride_qb", "stride_qh", "stride_kn", "stride_kt",
                       "stride_kh", "stride_vn", "stride_vt", "stride_vh", "stride_bt",
-                      "stride_ob", "stride_oh", "stride_os", "stride_fb", "stride_fh",
-                      "stride_nb", "stride_nh", "stride_cos"],
-                     ["scale", "eps"],
+                      "stride_ob", "stride_oh", "stride_os"], ["scale"],
                      dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
-                          BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True,
-                          FOLD=True, BLOCK_S=16, ROTATE=False, HAS_NORM=False)),
-    "decode_rotate": (da._decode_split,
-                      dict(q_ptr=bf16, k_cache=bf16, v_cache=bf16, block_tables=i32,
-                           seq_lens=i32, out_ptr=f32, lse_ptr=f32, tickets=i32,
-                           final_ptr=bf16, k_new=bf16, v_new=bf16, positions=i64, slots=i64,
-                           cos_ptr=bf16, sin_ptr=bf16, qw_ptr=bf16, kw_ptr=bf16),
-                      ["window", "stride_qb", "stride_qh", "stride_kn", "stride_kt",
-                       "stride_kh", "stride_vn", "stride_vt", "stride_vh", "stride_bt",
-                       "stride_ob", "stride_oh", "stride_os", "stride_fb", "stride_fh",
-                       "stride_nb", "stride_nh", "stride_cos"],
-                      ["scale", "eps"],
-                      dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
-                           BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True,
-                           FOLD=True, BLOCK_S=16, ROTATE=True, HAS_NORM=True)),
+                          BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True)),
     "combine": (da._combine, dict(part_ptr=f32, lse_ptr=f32, out_ptr=bf16),
                 ["stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"], [],
                 dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, BLOCK_S=16)),
@@ -306,7 +266,7 @@ def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote(
     before any store and before any load but the split's sequence length (staged by the
     host); without PDL neither instruction is there."""
     compiled = _compile(_DEPENDENT)["compiled"]
-    assert len(compiled) == 10, compiled
+    assert len(compiled) == 8, compiled
     for name, found in compiled.items():
         if name.endswith("pdl=False"):
             assert found["gdc"] == [], (name, found)
@@ -316,10 +276,7 @@ def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote(
             "griddepcontrol.launch_dependents",
         ], (name, found)
         assert found["stores_before"] == 0, (name, found)
-        if name.startswith("decode_rotate"):  # its first tile of K and V, and the table's
-            assert found["loads_before"] >= 4, (name, found)  # rows (the cache: no writer)
-        else:
-            assert found["loads_before"] == (1 if name.startswith("decode_split") else 0), (
-                name,
-                found,
-            )
+        assert found["loads_before"] == (1 if name.startswith("decode_split") else 0), (
+            name,
+            found,
+        )

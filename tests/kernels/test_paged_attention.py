@@ -9,7 +9,6 @@ from tests.kernels.reference import DEVICE, ON_GPU, TOL, PagedCache, attend
 
 pytest.importorskip("triton")
 
-from compute_plane.kernels import decode_attention
 from compute_plane.kernels.decode_attention import (
     choose_num_splits,
     paged_decode_attention,
@@ -77,35 +76,6 @@ def test_more_splits_than_blocks_of_context() -> None:
     for i, n in enumerate(lens):
         expected = attend(q[i], *cache.context(tables[i], n), 0.125)
         assert (out[i].double() - expected).abs().max().item() <= 1e-5
-
-
-@pytest.mark.parametrize("window", [None, 9])
-def test_merging_in_the_last_split_equals_the_combine_kernel(window: int | None) -> None:
-    """The splits merged by whichever finishes last (`fold`, the default) give the very
-    values the `_combine` launch gives (the same arithmetic), with empty splits and a
-    sliding window among them; the tickets are all back at zero after each launch, so
-    the next launch (the next layer, the next step's graph replay) counts afresh."""
-    cache = PagedCache(24, 8, 2, 80, torch.float32, seed=5)
-    lens = [1, 40, 17, 3]
-    tables = cache.tables(lens)
-    q = torch.randn(4, 8, 80, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-
-    def run(fold: bool) -> torch.Tensor:
-        return paged_decode_attention(
-            q, cache.k, cache.v, tables, lens_t, 0.11, num_splits=6, window=window, fold=fold
-        )
-
-    apart = run(False)
-    for _ in range(2):  # twice: the second launch reuses the first one's tickets
-        merged = run(True)
-        assert torch.equal(merged, apart)
-        assert all(not int(t.count_nonzero()) for t in decode_attention._TICKETS.values())
-    for i, n in enumerate(lens):
-        first = 0 if window is None else max(n - window, 0)
-        k, v = cache.context(tables[i], n)
-        expected = attend(q[i], k[first:], v[first:], 0.11)
-        assert (merged[i].double() - expected).abs().max().item() <= 1e-5
 
 
 def test_split_count_heuristic() -> None:
@@ -237,72 +207,3 @@ def test_prefill_sliding_window() -> None:
     for row, exp in expected.items():
         err = (out[row].double() - exp).abs().max().item()
         assert err <= TOL[torch.float32], f"row {row}: max abs error {err:.2e}"
-
-
-# (query heads, KV heads, head dim, block size, context lengths, splits, window): a
-# head dim whose halves are not a power of two (80), a new token first in its block, last
-# in it, and alone in a split of its own; a sequence of one token.
-ROTATE_CASES = [
-    pytest.param(4, 2, 64, 8, [17, 1, 8], 1, None, id="d64-one-split"),
-    pytest.param(8, 2, 80, 8, [40, 3, 17, 33], 3, None, id="d80-split3"),
-    pytest.param(4, 1, 80, 16, [64, 1, 70], 4, 20, id="d80-split4-window20"),
-]
-
-
-@pytest.mark.parametrize("fold", [True, False], ids=["fold", "combine"])
-@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
-@pytest.mark.parametrize(("h", "kvh", "d", "bs", "lens", "splits", "window"), ROTATE_CASES)
-def test_rotating_in_the_attention_kernel_equals_rotating_first(
-    h: int,
-    kvh: int,
-    d: int,
-    bs: int,
-    lens: list[int],
-    splits: int,
-    window: int | None,
-    norm: bool,
-    fold: bool,
-) -> None:
-    """`rotate_and_attend` (the step's rotation, its K/V write and decode attention in one
-    launch) against the two kernels it replaces, `rotate_into_cache` then
-    `paged_decode_attention`, on the same q|k|v rows and copies of one cache: the same
-    cache afterwards (the new tokens' K/V at their slots, nothing else touched) and the
-    same attention output; and that output against the float64 reference."""
-    from compute_plane.kernels.decode_attention import StepRotation, rotate_and_attend
-    from compute_plane.kernels.rotary import rotate_into_cache
-    from compute_plane.rotary import RotaryEmbedding
-
-    cache = PagedCache(40, bs, kvh, d, torch.float32, seed=h + d + splits)
-    tables = cache.tables(lens)
-    g = torch.Generator().manual_seed(7)
-    b = len(lens)
-    qkv = torch.randn(b, (h + 2 * kvh) * d, generator=g).to(DEVICE)
-    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
-    q, k, v = q.view(b, h, d), k.view(b, kvh, d), v.view(b, kvh, d)
-    rope = RotaryEmbedding(d, 128, 10000.0, None, DEVICE, torch.float32)
-    positions = torch.tensor([n - 1 for n in lens], device=DEVICE)
-    slots = torch.tensor(
-        [int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs for i, n in enumerate(lens)],
-        device=DEVICE,
-    )
-    qw = kw = None
-    if norm:
-        qw = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
-        kw = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    kc, vc = cache.k.clone(), cache.v.clone()
-    q_rot = rotate_into_cache(q, k, v, positions, rope.cos, rope.sin, kc, vc, slots, qw, kw, 1e-6)
-    want = paged_decode_attention(
-        q_rot, kc, vc, tables, lens_t, 0.1, num_splits=splits, window=window, fold=fold
-    )
-    rotation = StepRotation(k, v, positions, slots, rope.cos, rope.sin, qw, kw, 1e-6)
-    got = rotate_and_attend(
-        q, cache.k, cache.v, tables, lens_t, 0.1, rotation, splits, window=window, fold=fold
-    )
-    assert torch.equal(cache.k, kc) and torch.equal(cache.v, vc)
-    assert (got - want).abs().max().item() <= 1e-5
-    for i, n in enumerate(lens):
-        first = 0 if window is None else max(n - window, 0)
-        kk, vv = cache.context(tables[i], n)
-        expected = attend(q_rot[i], kk[first:], vv[first:], 0.1)
-        assert (got[i].double() - expected).abs().max().item() <= 1e-4
