@@ -13,6 +13,7 @@ on store to the output's dtype.
 from __future__ import annotations
 
 import os
+from typing import ClassVar
 
 
 def interpreted() -> bool:
@@ -20,11 +21,15 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The launch arguments of a kernel with a `PDL` constexpr, as a programmatic dependent.
+PDL_LAUNCH: dict[str, bool] = {"PDL": True, "launch_pdl": True}
+
+
 class _Launch:
     """How this process launches the decode step's Triton kernels (set once at start-up,
     before any CUDA graph is captured: a graph keeps the launches it recorded)."""
 
-    dependent = False
+    kwargs: ClassVar[dict[str, bool]] = {}
 
 
 def set_dependent_launch(on: bool) -> None:
@@ -35,11 +40,10 @@ def set_dependent_launch(on: bool) -> None:
     `griddepcontrol.wait` (which returns once that kernel is done and its writes are
     seen), and then lets the next one start. The interpreter has no grids to overlap:
     there this is ignored."""
-    _Launch.dependent = on
+    _Launch.kwargs = PDL_LAUNCH if on and not interpreted() else {}
 
 
 def dependent_launch() -> dict[str, bool]:
-    """The launch arguments of a kernel with a `PDL` constexpr, per `set_dependent_launch`."""
-    if _Launch.dependent and not interpreted():
-        return {"PDL": True, "launch_pdl": True}
-    return {}
+    """The launch arguments of a kernel with a `PDL` constexpr, per `set_dependent_launch`
+    (decided once there: kernels are launched on every eager step). Not to be modified."""
+    return _Launch.kwargs

@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.runtime.autotuner import Autotuner
 
-from compute_plane.kernels import dependent_launch, interpreted
+from compute_plane.kernels import PDL_LAUNCH, dependent_launch, interpreted
 
 MAX_ROWS = 16
 GEMV_ROWS = 4  # steps of at most this many rows: the matrix-vector form
@@ -252,20 +252,22 @@ def _launch(
         return (triton.cdiv(n, meta["BLOCK_N"]),)
 
     kernel = _gemv_kernel if gemv else _dot_kernel
-    launch = dependent_launch() if pdl is None else {}
-    if gemv and config is None and (bool(launch) if Preload.only is None else Preload.only):
+    if pdl is None:  # as the process launches (and then the preloading configs with PDL)
+        launch = dependent_launch()
+        preload = bool(launch) if Preload.only is None else Preload.only
+    else:
+        launch = PDL_LAUNCH if pdl and not interpreted() else {}
+        preload = bool(Preload.only)
+    if gemv and config is None and preload:
         kernel = _gemv_preload_kernel
-    extra: dict[str, Any] = _INTERPRETED[gemv] if interpreted() else {}
+    extra: dict[str, Any] = dict(_INTERPRETED[gemv]) if interpreted() else {}
     if config is not None:
         if isinstance(kernel, Autotuner):
             kernel = kernel.fn  # the function under the autotuner
         extra = dict(config.kwargs)
         if not interpreted():
             extra |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if pdl is None:
-        extra |= launch
-    elif pdl and not interpreted():
-        extra |= {"PDL": True, "launch_pdl": True}
+    extra |= launch
     kernel[grid](
         x, residual if residual is not None else x, h if h is not None else x,
         norm_weight if norm_weight is not None else weight, weight,
