@@ -12,11 +12,23 @@ timings: input build (`prepare_ns`), forward, sample (LM head + sampling), and t
 on the device and the rest of this is host time the device waits for, unless it is
 hidden. `--compare-ref` runs the same measurement on a git revision's planes (a worktree,
 in a subprocess), alternated with this tree's, medians over the runs. Run it alone.
+
+    python -m benchmarks.compute_host --grpc --seqs 32   # through the gRPC server
+
+`--grpc` measures the served path instead: the compute plane in its own process (the
+real server, `--compute-arg` passed to it), driven over its `Run` stream from this one
+with 1 + `--ahead` steps in flight (as a control plane planning ahead sends them). Per decode
+step: the wall time between results (`period`) and the server's CPU time, split into its
+event loop's thread (gRPC, the step loop) and its other threads (the engine's worker,
+the samples' waiter, gRPC's poller), from the kernel's per-thread accounting. The CPU
+time is what a GPU waits for once it exceeds the device's step; on these 2 cores it
+varies less between runs than the wall time does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -110,16 +122,100 @@ def measure(model: Path, seqs: int, steps: int, prompt: int = 100) -> dict[str, 
     return out
 
 
-def _run(tree: Path, model: Path, seqs: int, steps: int) -> dict[str, float]:
-    """`measure` in a subprocess whose planes are `tree`'s (its working directory)."""
+def _cpu_ns(pid: int) -> dict[int, int]:
+    """Each thread's time on a CPU so far (ns), by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # (a thread ended)
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0])
+    return out
+
+
+def measure_grpc(
+    model: Path, seqs: int, steps: int, in_flight: int, compute_args: list[str], prompt: int = 100
+) -> dict[str, float]:
+    """Mean ms per decode step through a compute-plane server process (this tree's)."""
+    import asyncio
+
+    import grpc
+
+    from hetero_infer.local import child, free_port
+    from hetero_proto import compute_pb2 as pb
+    from hetero_proto import compute_pb2_grpc as pb_grpc
+
+    warm = 20
+    per_seq = -(-(prompt + warm + steps + 20) // BLOCK)
+    tables = {f"r{i}": list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(seqs)}
+    first = pb.StepRequest(step_id=0)
+    for i, (rid, blocks) in enumerate(tables.items()):
+        first.new_requests.add(
+            request_id=rid,
+            token_ids=[3 + (i * 7 + j) % 500 for j in range(prompt)],
+            num_prompt_tokens=prompt,
+            num_scheduled_tokens=prompt,
+            block_ids=blocks,
+            sampling=pb.SamplingParams(temperature=0.0),
+        )
+    decodes = [
+        pb.StepRequest(step_id=k, decode_ids=list(tables)) for k in range(1, warm + steps + 1)
+    ]
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    kv_heads, head_dim = (int(str(TINY[k])) for k in ("num_key_value_heads", "head_dim"))
+    kv = (seqs * per_seq + 8) * BLOCK * kv_heads * head_dim * 2 * 4  # K and V, fp32
+    args = ["--log-level", "WARNING", "compute-plane", "--model", str(model), "--port", str(port)]
+    args += ["--metrics-port", "-1", "--block-size", str(BLOCK), "--max-num-seqs", str(seqs)]
+    args += ["--max-num-batched-tokens", str(seqs * prompt), "--kv-cache-bytes", str(kv)]
+    args += ["--num-threads", "1"]  # (as `measure`: one CPU for the forward's kernels)
+
+    async def drive(pid: int) -> dict[str, float]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            call = pb_grpc.ComputePlaneStub(channel).Run()
+            await call.write(first)
+            assert not (await call.read()).HasField("error")
+            todo = iter(decodes)
+            for _ in range(in_flight):
+                await call.write(next(todo))
+            cpu: dict[int, int] = {}
+            t0 = c0 = 0
+            parts = {"prepare": 0, "forward": 0, "sample": 0}
+            for k in range(len(decodes)):
+                if k == warm:
+                    cpu, t0, c0 = _cpu_ns(pid), time.perf_counter_ns(), time.process_time_ns()
+                result = await call.read()
+                assert len(result.sampled_ids) == seqs, result
+                if k >= warm:
+                    parts["prepare"] += result.prepare_ns
+                    parts["forward"] += result.forward_ns
+                    parts["sample"] += result.sample_ns
+                if (step := next(todo, None)) is not None:
+                    await call.write(step)
+            wall, client = time.perf_counter_ns() - t0, time.process_time_ns() - c0
+            after = _cpu_ns(pid)
+            await call.done_writing()
+        used = {tid: after[tid] - cpu.get(tid, 0) for tid in after}
+        loop = used.pop(pid, 0)
+        out = {"period": wall, "server_cpu": loop + sum(used.values()), "loop_thread": loop}
+        out |= {"other_threads": sum(used.values()), "client_cpu": client, **parts}
+        return {k: round(v / steps / 1e6, 4) for k, v in out.items()}
+
+    with child([*args, *compute_args], address) as proc:
+        return asyncio.run(drive(proc.pid))
+
+
+def _run(tree: Path, model: Path, how: dict[str, Any]) -> dict[str, float]:
+    """`measure` (or `measure_grpc`, with `how["grpc"]`) in a subprocess whose planes are
+    `tree`'s (its working directory)."""
     code = (
         "import json, runpy, sys; from pathlib import Path; "
-        "m = runpy.run_path(sys.argv[1], run_name='compute_host')['measure']; "
-        "print(json.dumps(m(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))"
+        "m = runpy.run_path(sys.argv[1], run_name='compute_host'); "
+        "how = json.loads(sys.argv[3]); grpc = how.pop('grpc'); "
+        "f = m['measure_grpc'] if grpc else m['measure']; "
+        "print(json.dumps(f(Path(sys.argv[2]), **how)))"
     )
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(
-        [sys.executable, "-c", code, __file__, str(model), str(seqs), str(steps)],
+        [sys.executable, "-c", code, __file__, str(model), json.dumps(how)],
         env=env, cwd=tree, check=True, capture_output=True, text=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -134,12 +230,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--runs", type=int, default=3, help="alternated runs of each tree")
     ap.add_argument("--compare-ref", default=None, help="git revision measured beside this tree")
-    ap.add_argument("--out", type=Path, default=Path("docs/perf/compute_host.json"))
+    ap.add_argument("--grpc", action="store_true", help="through the compute plane's server")
+    ap.add_argument("--ahead", type=int, default=2, help="--grpc: steps in flight (1 + ahead)")
+    ap.add_argument(
+        "--compute-arg", action="append", default=[], help="--grpc: a compute-plane argument"
+    )
+    ap.add_argument(
+        "--compare-arg",
+        action="append",
+        default=[],
+        help="--grpc: this tree again with these compute-plane arguments too, alternated",
+    )
+    ap.add_argument("--out", type=Path, default=None, help="default docs/perf/compute_host.json")
     args = ap.parse_args(argv)
+    if args.out is None:
+        name = "compute_host_grpc.json" if args.grpc else "compute_host.json"
+        args.out = Path("docs/perf") / name
+    how: dict[str, Any] = {"grpc": args.grpc, "seqs": args.seqs, "steps": args.steps}
+    if args.grpc:
+        how |= {"in_flight": 1 + args.ahead, "compute_args": args.compute_arg}
     root = Path(__file__).resolve().parent.parent
     work = Path(tempfile.mkdtemp(prefix="compute-host-"))
     model = write_random_model(work / "model", TINY, device="cpu")
     trees = {"this": root}
+    hows = {"this": how}
+    if args.compare_arg:
+        assert args.grpc and not args.compare_ref, "--compare-arg: with --grpc, alone"
+        alt = "this " + " ".join(args.compare_arg)
+        trees[alt] = root
+        hows[alt] = how | {"compute_args": [*args.compute_arg, *args.compare_arg]}
     if args.compare_ref:
         ref = work / "ref"
         subprocess.run(
@@ -147,11 +266,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             check=True, capture_output=True,
         )  # fmt: skip
         trees = {args.compare_ref: ref, "this": root}
+        hows[args.compare_ref] = how
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     try:
         for i in range(args.runs):
             for name, tree in trees.items():
-                fig = _run(tree, model, args.seqs, args.steps)
+                fig = _run(tree, model, dict(hows[name]))
                 runs[name].append(fig)
                 print(f"run {i + 1} {name}: {json.dumps(fig)}", flush=True)
     finally:
@@ -170,11 +290,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "seqs": args.seqs,
         "steps": args.steps,
+        **(
+            {"grpc": {"in_flight": 1 + args.ahead, "compute_args": args.compute_arg}}
+            if args.grpc
+            else {}
+        ),
         "model": {k: TINY[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
         "ms_per_step_median": medians,
         "runs": runs,
     }
-    if args.compare_ref:
+    if args.grpc and (args.compare_ref or args.compare_arg):
+        other = args.compare_ref or alt
+        this, them = medians["this"], medians[other]
+        # (> 1: the other one costs more per step than this tree as run)
+        report["other_over_this"] = {
+            "other": other,
+            **{k: round(them[k] / this[k], 2) for k in ("server_cpu", "period")},
+        }
+        print(
+            f"server CPU per step: {this['server_cpu']:.3f} ms this, {them['server_cpu']:.3f} "
+            f"ms {other}; period {this['period']:.3f} vs {them['period']:.3f} ms"
+        )
+    elif args.compare_ref:
         before, after = medians[args.compare_ref], medians["this"]
         report["host_ratio"] = round(before["host"] / after["host"], 2)
         report["host_per_forward_ratio"] = round(

@@ -86,6 +86,15 @@ class ComputeConfig(GrpcServerConfig):
             "where the device runs behind the host), on, off"
         },
     )
+    engine_thread: str = field(
+        default="auto",
+        metadata={
+            "help": "run the engine's calls (a step's launch and finish) on a worker thread "
+            "instead of the server's event loop: auto (on a CPU, where a launch computes "
+            "the forward; on CUDA a launch only queues device work, and the hop to a "
+            "worker and back costs host time the GPU waits for), on, off"
+        },
+    )
     max_model_len: int | None = field(
         default=None,
         metadata={"help": "cap on prompt + output tokens (default: the model's context length)"},
@@ -147,6 +156,8 @@ class ComputeConfig(GrpcServerConfig):
             raise ValueError(f"pdl must be auto, on or off, got {self.pdl!r}")
         if self.overlap_steps not in ("auto", "on", "off"):
             raise ValueError(f"overlap_steps must be auto, on or off, got {self.overlap_steps!r}")
+        if self.engine_thread not in ("auto", "on", "off"):
+            raise ValueError(f"engine_thread must be auto, on or off, got {self.engine_thread!r}")
         if self.cpu_activations not in ("int16", "fp32"):
             raise ValueError(f"cpu_activations must be int16 or fp32, got {self.cpu_activations!r}")
         if self.dtype not in _DTYPES:

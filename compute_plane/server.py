@@ -1,9 +1,12 @@
 """gRPC server of the compute plane: ComputePlane service, grpc.health.v1 and reflection.
 
 The server listens at once and reports NOT_SERVING on health until the model is
-loaded and warmed up; RPCs before that get UNAVAILABLE. Steps run on one worker
-thread, so the engine is never entered twice and the event loop stays free for
-health checks while a forward runs.
+loaded and warmed up; RPCs before that get UNAVAILABLE. The engine is never entered
+twice: its calls run one at a time, on one worker thread on a CPU (a step's launch
+computes its forward there, and the event loop stays free for health checks meanwhile),
+on the event loop itself on CUDA (`--engine-thread`: a launch only queues device work,
+and a hop to a worker and back, with the two threads taking turns on the GIL, would cost
+host time the GPU waits for). Waiting for a step's samples is never done on the loop.
 
 With overlapped steps (`--overlap-steps`, on by default on CUDA) a step is launched and
 then finished (Engine.launch / finish): while step k computes on the device, the next
@@ -45,6 +48,8 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         self.engine: Engine | None = None
         self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Engine calls on the event loop's thread instead (set once the engine is loaded).
+        self.inline = False
         # Waits for a launched step's samples while the engine thread may launch the next.
         self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samples")
         # The control plane that drives this one: the peer of the open Run stream. Its
@@ -71,6 +76,9 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         return self.engine
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """An engine call, on the engine's thread (inline: on this one, the loop's)."""
+        if self.inline:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def Describe(
@@ -207,6 +215,8 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
     ) -> pb.StepResult:
         if isinstance(launched, Launched):
             try:
+                if self.inline and not launched.ready():  # (its wait off the loop)
+                    await asyncio.get_running_loop().run_in_executor(self.waiter, launched.wait)
                 result = await self._call(engine.finish, launched)
             except Exception as e:
                 await self._failed(engine, launched.result.step_id, e, context)
@@ -246,15 +256,20 @@ async def serve(config: ComputeConfig) -> None:
     try:
         if await plane.before_stop(load):
             servicer.engine = load.result()  # a load error propagates: one clear message
+            mode = config.engine_thread
+            on_cuda = servicer.engine.device.type == "cuda"
+            servicer.inline = mode == "off" or (mode == "auto" and on_cuda)
             d = servicer.engine.describe()
             await plane.health.set(True)
             log.info(
-                "compute plane ready on %s: %s, %d KV blocks of %d tokens, max_model_len %d",
+                "compute plane ready on %s: %s, %d KV blocks of %d tokens, max_model_len %d; "
+                "engine calls on %s",
                 plane.address,
                 d.model_name,
                 d.num_kv_blocks,
                 d.block_size,
                 d.max_model_len,
+                "the event loop" if servicer.inline else "a worker thread",
             )
             await plane.stopped()
             log.info("compute plane draining for up to %.0f s", config.drain_timeout)

@@ -218,6 +218,19 @@ def test_compute_host_benchmark_tiny(tmp_path: Path) -> None:
     assert parts == pytest.approx(fig["step"], abs=0.01)
 
 
+def test_compute_host_through_the_grpc_server_tiny(tmp_path: Path) -> None:
+    """`--grpc`: the server process's CPU per step, by thread. With `--engine-thread off`
+    the engine runs on the event loop's thread, so that thread does nearly all of it."""
+    out = tmp_path / "g.json"
+    args = ["--grpc", "--seqs", "4", "--steps", "30", "--runs", "1", "--out", str(out)]
+    report = compute_host.main([*args, "--compute-arg=--engine-thread=off"])
+    assert report["grpc"] == {"in_flight": 3, "compute_args": ["--engine-thread=off"]}
+    fig = report["ms_per_step_median"]["this"]
+    assert min(fig["period"], fig["prepare"], fig["forward"], fig["sample"]) > 0
+    assert fig["server_cpu"] == pytest.approx(fig["loop_thread"] + fig["other_threads"], abs=0.01)
+    assert fig["loop_thread"] >= 0.8 * fig["server_cpu"], fig
+
+
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
     args = ["--shapes", "2x20", "--prefills", "24"]
     report = decode_step.main([*args, "--out", str(tmp_path / "d.json")])

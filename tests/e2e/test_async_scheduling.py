@@ -3,8 +3,11 @@
 result arrives. Greedy text equals that without it, byte for byte, over 40 prompts with stop
 strings, max_tokens cut-offs and logprobs in a KV pool small enough to preempt, also with the
 compute plane launching each step before the previous one finished (`--overlap-steps on`,
-the default on CUDA) and two steps planned ahead (`--steps-ahead 2`, the default on CUDA); and with the compute plane killed mid-stream
-(tests/e2e/test_failover.py runs both ways)."""
+the default on CUDA) and two steps planned ahead (`--steps-ahead 2`, the default on CUDA);
+and with the compute plane killed mid-stream (tests/e2e/test_failover.py runs both ways).
+The compute plane makes its engine calls on its event loop, as on CUDA by default
+(`--engine-thread off`), except where its steps overlap (on a CPU they overlap only when
+the calls run on the worker thread)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def compute() -> Iterator[str]:
-    with compute_plane("--kv-cache-bytes", str(96 << 20)) as address:
+    # The engine's calls on the server's event loop, as on CUDA by default (on a CPU its
+    # steps then never overlap: the loop reads the next step only once a launch returned).
+    args = ("--kv-cache-bytes", str(96 << 20), "--engine-thread", "off")
+    with compute_plane(*args) as address:
         yield address
 
 
