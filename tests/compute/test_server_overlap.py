@@ -70,12 +70,20 @@ class Context:
         raise Aborted(message)
 
 
+@pytest.fixture(params=[False, True], ids=["worker-thread", "event-loop"])
+def inline(request: pytest.FixtureRequest) -> bool:
+    """The engine's calls on the server's worker thread, or on its event loop (as on CUDA
+    by default, `--engine-thread`): the same order of launches, finishes and results."""
+    return bool(request.param)
+
+
 async def _drive(
-    engine: StubEngine, script: list[tuple[str, Any]]
+    engine: StubEngine, script: list[tuple[str, Any]], inline: bool
 ) -> tuple[list[pb.StepResult], list[str]]:
     """Feed steps and open gates as the script says ("send", id) / ("open", id) /
     ("sleep", s) / ("await result", id: wait until that step's result is out)."""
     servicer = ComputeServicer()
+    servicer.inline = inline
     results: list[pb.StepResult] = []
     got = asyncio.Condition()
 
@@ -108,50 +116,50 @@ async def _drive(
     return results, engine.log
 
 
-def test_a_step_that_arrives_while_the_last_computes_is_launched_behind_it() -> None:
+def test_a_step_that_arrives_while_the_last_computes_is_launched_behind_it(inline: bool) -> None:
     engine = StubEngine()
     script = [("send", 1), ("sleep", 0.2), ("send", 2), ("sleep", 0.2), ("open", 1), ("open", 2)]
-    results, log = asyncio.run(_drive(engine, script))
+    results, log = asyncio.run(_drive(engine, script, inline))
     assert [r.step_id for r in results] == [1, 2]
     assert log == ["launch 1", "launch 2", "finish 1", "finish 2"]
 
 
-def test_queued_steps_are_launched_before_the_result_of_the_one_before() -> None:
+def test_queued_steps_are_launched_before_the_result_of_the_one_before(inline: bool) -> None:
     engine = StubEngine()
     script = [("open", 1), ("open", 2), ("open", 3), ("send", 1), ("send", 2), ("send", 3)]
-    results, log = asyncio.run(_drive(engine, script))
+    results, log = asyncio.run(_drive(engine, script, inline))
     assert [r.step_id for r in results] == [1, 2, 3]
     assert log == ["launch 1", "launch 2", "finish 1", "launch 3", "finish 2", "finish 3"]
 
 
-def test_a_result_goes_out_when_its_samples_come_before_the_next_step() -> None:
+def test_a_result_goes_out_when_its_samples_come_before_the_next_step(inline: bool) -> None:
     """The control plane waits for step 1's result before it sends step 2 (nothing
     planned ahead): the server must send it without a next step to launch."""
     engine = StubEngine()
     script = [("send", 1), ("sleep", 0.1), ("open", 1), ("await result", 1), ("open", 2)]
     script += [("send", 2)]
-    results, log = asyncio.run(_drive(engine, script))
+    results, log = asyncio.run(_drive(engine, script, inline))
     assert [r.step_id for r in results] == [1, 2]
     assert log == ["launch 1", "finish 1", "launch 2", "finish 2"]
 
 
 @pytest.mark.parametrize("gates_open", [True, False])
-def test_a_rejected_step_answers_in_its_place(gates_open: bool) -> None:
+def test_a_rejected_step_answers_in_its_place(gates_open: bool, inline: bool) -> None:
     engine = StubEngine(reject=2)
     script: list[tuple[str, Any]] = [("send", 1), ("send", 2), ("send", 3)]
     script += [("sleep", 0.1), ("open", 1), ("open", 3)]
     if gates_open:
         script = script[3:] + script[:3]
-    results, log = asyncio.run(_drive(engine, script))
+    results, log = asyncio.run(_drive(engine, script, inline))
     assert [r.step_id for r in results] == [1, 2, 3]
     assert results[1].error.message == "bad step" and not results[0].HasField("error")
     assert log[0] == "launch 1" and log.index("finish 1") < log.index("launch 3")
 
 
-def test_a_step_that_raises_at_launch_lets_the_one_before_answer_first() -> None:
+def test_a_step_that_raises_at_launch_lets_the_one_before_answer_first(inline: bool) -> None:
     """Step 1 computed: its result goes back before the stream ends on step 2's error."""
     engine = StubEngine(crash=2)
     script = [("send", 1), ("send", 2), ("sleep", 0.1), ("open", 1)]
-    results, log = asyncio.run(_drive(engine, script))
+    results, log = asyncio.run(_drive(engine, script, inline))
     assert [r.step_id for r in results] == [1]
     assert log == ["launch 1", "finish 1", "reset", "aborted: step 2 failed: boom"]
