@@ -305,7 +305,8 @@ class ModelRunner:
         q_at = o + num_seqs  # the prefill chunks' query starts, from 0
         num_prefills = num_seqs - num_decodes
         ints[q_at] = 0
-        np.cumsum(query_lens[num_decodes:], out=ints[q_at + 1 : q_at + 1 + num_prefills])
+        if num_prefills:  # (a decode step has none: no list to convert)
+            np.cumsum(query_lens[num_decodes:], out=ints[q_at + 1 : q_at + 1 + num_prefills])
         tok, it = self._tokens_dev, self._ints_dev
         if self._staged:
             used = q_at + 1 + num_prefills
