@@ -27,6 +27,11 @@
 #           config and split count (the linears' matrix-vector configs and candidates,
 #           decode attention's splits) into $OUT/gpu_variants.json (capped:
 #           $VARIANTS_TIMEOUT, 150): what to change next for batch 1 <= 0.8 ms
+#   host    not in `all`: python -m benchmarks.compute_host --grpc on CUDA, a tiny model
+#           (its device step far shorter than the host's): the compute-plane server's
+#           host time per decode step at 32 sequences with the engine's calls on a worker
+#           thread and on the event loop (--engine-thread on/off, alternated), into
+#           $OUT/compute_host_grpc_gpu.json (capped: $HOST_TIMEOUT, 200)
 #   steps   not in `all`: the engine's start-up choice of the small-step linears
 #           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256,
 #           into $OUT/steps.json (a short call after a kernel change)
@@ -97,6 +102,13 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
     variants)
       timeout -s INT -k 30 "${VARIANTS_TIMEOUT:-150}" python3 -m benchmarks.gpu_variants \
         --out "$OUT/gpu_variants.json" 2>&1 | tee -a "$OUT/check.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    host)
+      timeout -s INT -k 30 "${HOST_TIMEOUT:-200}" python3 -m benchmarks.compute_host --grpc \
+        --seqs 32 --steps 300 --runs 3 --compute-arg=--device=cuda \
+        --compute-arg=--engine-thread=on --compare-arg=--engine-thread=off \
+        --out "$OUT/compute_host_grpc_gpu.json" 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     steps)
