@@ -61,6 +61,25 @@ TINY = {
 BLOCK = 16
 
 
+def _requests(seqs: int, prompt: int, per_seq: int) -> tuple[dict[str, list[int]], Any]:
+    """(each request's block table, the first step: every request's prompt, greedy), each
+    request with `per_seq` blocks up front, so that its decode steps are decode_ids only."""
+    from hetero_proto import compute_pb2 as pb
+
+    tables = {f"r{i}": list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(seqs)}
+    first = pb.StepRequest(step_id=0)
+    for i, (rid, blocks) in enumerate(tables.items()):
+        first.new_requests.add(
+            request_id=rid,
+            token_ids=[3 + (i * 7 + j) % 500 for j in range(prompt)],
+            num_prompt_tokens=prompt,
+            num_scheduled_tokens=prompt,
+            block_ids=blocks,
+            sampling=pb.SamplingParams(temperature=0.0),
+        )
+    return tables, first
+
+
 def measure(model: Path, seqs: int, steps: int, prompt: int = 100) -> dict[str, float]:
     """Mean ms per decode step of each part, `seqs` sequences decoding (this process's
     compute_plane: the tree on sys.path)."""
@@ -82,17 +101,7 @@ def measure(model: Path, seqs: int, steps: int, prompt: int = 100) -> dict[str, 
     engine = Engine(cfg, load_model(model, progress=False))
     per_seq = -(-(prompt + steps + 20) // BLOCK)
     assert seqs * per_seq < engine.num_blocks, "KV pool too small"
-    tables = {f"r{i}": list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(seqs)}
-    first = pb.StepRequest(step_id=0)
-    for i, (rid, blocks) in enumerate(tables.items()):
-        first.new_requests.add(
-            request_id=rid,
-            token_ids=[3 + (i * 7 + j) % 500 for j in range(prompt)],
-            num_prompt_tokens=prompt,
-            num_scheduled_tokens=prompt,
-            block_ids=blocks,  # every block up front: decode steps are decode_ids only
-            sampling=pb.SamplingParams(temperature=0.0),
-        )
+    tables, first = _requests(seqs, prompt, per_seq)
     engine.step(first)
     wire = [
         pb.StepRequest(step_id=k, decode_ids=list(tables)).SerializeToString()
@@ -145,17 +154,7 @@ def measure_grpc(
 
     warm = 20
     per_seq = -(-(prompt + warm + steps + 20) // BLOCK)
-    tables = {f"r{i}": list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(seqs)}
-    first = pb.StepRequest(step_id=0)
-    for i, (rid, blocks) in enumerate(tables.items()):
-        first.new_requests.add(
-            request_id=rid,
-            token_ids=[3 + (i * 7 + j) % 500 for j in range(prompt)],
-            num_prompt_tokens=prompt,
-            num_scheduled_tokens=prompt,
-            block_ids=blocks,
-            sampling=pb.SamplingParams(temperature=0.0),
-        )
+    tables, first = _requests(seqs, prompt, per_seq)
     decodes = [
         pb.StepRequest(step_id=k, decode_ids=list(tables)) for k in range(1, warm + steps + 1)
     ]
