@@ -143,7 +143,8 @@ def _cpu_ns(pid: int) -> dict[int, int]:
 def measure_grpc(
     model: Path, seqs: int, steps: int, in_flight: int, compute_args: list[str], prompt: int = 100
 ) -> dict[str, float]:
-    """Mean ms per decode step through a compute-plane server process (this tree's)."""
+    """Mean ms per decode step through a compute-plane server process (the planes on
+    this process's path: `_run` runs it in the tree measured)."""
     import asyncio
 
     import grpc
@@ -160,8 +161,10 @@ def measure_grpc(
     ]
     port = free_port()
     address = f"127.0.0.1:{port}"
-    kv_heads, head_dim = (int(str(TINY[k])) for k in ("num_key_value_heads", "head_dim"))
-    kv = (seqs * per_seq + 8) * BLOCK * kv_heads * head_dim * 2 * 4  # K and V, fp32
+    layers, kv_heads, head_dim = (
+        int(str(TINY[k])) for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+    )
+    kv = (seqs * per_seq + 8) * BLOCK * layers * kv_heads * head_dim * 2 * 4  # K and V, fp32
     args = ["--log-level", "WARNING", "compute-plane", "--model", str(model), "--port", str(port)]
     args += ["--metrics-port", "-1", "--block-size", str(BLOCK), "--max-num-seqs", str(seqs)]
     args += ["--max-num-batched-tokens", str(seqs * prompt), "--kv-cache-bytes", str(kv)]
@@ -254,7 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trees = {"this": root}
     hows = {"this": how}
     if args.compare_arg:
-        assert args.grpc and not args.compare_ref, "--compare-arg: with --grpc, alone"
+        if not args.grpc or args.compare_ref:
+            ap.error("--compare-arg needs --grpc, and no --compare-ref")
         alt = "this " + " ".join(args.compare_arg)
         trees[alt] = root
         hows[alt] = how | {"compute_args": [*args.compute_arg, *args.compare_arg]}

@@ -89,10 +89,11 @@ class ComputeConfig(GrpcServerConfig):
     engine_thread: str = field(
         default="auto",
         metadata={
-            "help": "run the engine's calls (a step's launch and finish) on a worker thread "
-            "instead of the server's event loop: auto (on a CPU, where a launch computes "
-            "the forward; on CUDA a launch only queues device work, and the hop to a "
-            "worker and back costs host time the GPU waits for), on, off"
+            "help": "make every engine call on a worker thread (on), or launch and finish "
+            "steps of decodes only on the server's event loop (off): auto (on for a CPU, "
+            "where a launch computes the forward; off on CUDA, where a decode step's launch "
+            "only queues device work and the hop to a worker and back costs host time the "
+            "GPU waits for)"
         },
     )
     max_model_len: int | None = field(

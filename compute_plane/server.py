@@ -3,10 +3,15 @@
 The server listens at once and reports NOT_SERVING on health until the model is
 loaded and warmed up; RPCs before that get UNAVAILABLE. The engine is never entered
 twice: its calls run one at a time, on one worker thread on a CPU (a step's launch
-computes its forward there, and the event loop stays free for health checks meanwhile),
-on the event loop itself on CUDA (`--engine-thread`: a launch only queues device work,
-and a hop to a worker and back, with the two threads taking turns on the GIL, would cost
-host time the GPU waits for). Waiting for a step's samples is never done on the loop.
+computes its forward there, and the event loop stays free for health checks meanwhile).
+On CUDA (`--engine-thread`) a step of decodes only is launched and finished on the event
+loop itself: such a launch only queues device work, and a hop to a worker and back, with
+the two threads taking turns on the GIL, would cost host time the GPU waits for. The
+wait for a step's samples before its result runs off the loop, on the waiter thread.
+Steps with a prompt to compute (whose first ones may compile kernels for seconds) or
+with proposals (verified and drafted with samples read on the host) still go to the
+worker. A decode step can still wait on the loop, for at most the steps in flight, when a
+penalised request needs the pending samples on the host first.
 
 With overlapped steps (`--overlap-steps`, on by default on CUDA) a step is launched and
 then finished (Engine.launch / finish): while step k computes on the device, the next
@@ -48,8 +53,10 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         self.engine: Engine | None = None
         self.draining = False
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        # Engine calls on the event loop's thread instead (set once the engine is loaded).
+        # Decode steps' engine calls on the event loop's thread instead (set once the
+        # engine is loaded); either way one call at a time.
         self.inline = False
+        self._entered = asyncio.Lock()
         # Waits for a launched step's samples while the engine thread may launch the next.
         self.waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samples")
         # The control plane that drives this one: the peer of the open Run stream. Its
@@ -75,11 +82,13 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         assert self.engine is not None
         return self.engine
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """An engine call, on the engine's thread (inline: on this one, the loop's)."""
-        if self.inline:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+    async def _call(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> T:
+        """An engine call, on the engine's worker thread, or `inline` on this one (the
+        loop's); never two at once (a Stats or Reset waits for a launch on the worker)."""
+        async with self._entered:
+            if inline:
+                return fn(*args)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -199,7 +208,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
     async def _launch(self, engine: Engine, step: pb.StepRequest) -> Launched | pb.StepResult:
         """The step launched, or its result when it was rejected (other errors raise)."""
         try:
-            return await self._call(engine.launch, step)
+            return await self._call(engine.launch, step, inline=self._inline(step))
         except StepRejected as e:
             log.warning("step %d rejected: %s", step.step_id, e)
             return pb.StepResult(
@@ -217,7 +226,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
             try:
                 if self.inline and not launched.ready():  # (its wait off the loop)
                     await asyncio.get_running_loop().run_in_executor(self.waiter, launched.wait)
-                result = await self._call(engine.finish, launched)
+                result = await self._call(engine.finish, launched, inline=self.inline)
             except Exception as e:
                 await self._failed(engine, launched.result.step_id, e, context)
                 raise
@@ -227,6 +236,16 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         result.received_unix_ns = received
         result.replied_unix_ns = time.time_ns()
         return result
+
+    def _inline(self, step: pb.StepRequest) -> bool:
+        """Whether to launch the step on the loop: inline mode and decodes only (no prompt
+        tokens, no proposals)."""
+        return (
+            self.inline
+            and not step.new_requests
+            and not step.proposals
+            and all(c.num_scheduled_tokens == 1 for c in step.continuing)
+        )
 
     async def _failed(
         self, engine: Engine, step_id: int, error: Exception, context: grpc.aio.ServicerContext

@@ -31,7 +31,8 @@
 #           (its device step far shorter than the host's): the compute-plane server's
 #           host time per decode step at 32 sequences with the engine's calls on a worker
 #           thread and on the event loop (--engine-thread on/off, alternated), into
-#           $OUT/compute_host_grpc_gpu.json (capped: $HOST_TIMEOUT, 200)
+#           $OUT/compute_host_grpc_gpu.json (capped: $HOST_TIMEOUT, 240; 4 server starts,
+#           the report written at the end)
 #   steps   not in `all`: the engine's start-up choice of the small-step linears
 #           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256,
 #           into $OUT/steps.json (a short call after a kernel change)
@@ -105,8 +106,8 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
       rc=$((rc | PIPESTATUS[0]))
       ;;
     host)
-      timeout -s INT -k 30 "${HOST_TIMEOUT:-200}" python3 -m benchmarks.compute_host --grpc \
-        --seqs 32 --steps 300 --runs 3 --compute-arg=--device=cuda \
+      timeout -s INT -k 30 "${HOST_TIMEOUT:-240}" python3 -m benchmarks.compute_host --grpc \
+        --seqs 32 --steps 300 --runs 2 --compute-arg=--device=cuda \
         --compute-arg=--engine-thread=on --compare-arg=--engine-thread=off \
         --out "$OUT/compute_host_grpc_gpu.json" 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))

@@ -163,3 +163,24 @@ def test_a_step_that_raises_at_launch_lets_the_one_before_answer_first(inline: b
     results, log = asyncio.run(_drive(engine, script, inline))
     assert [r.step_id for r in results] == [1]
     assert log == ["launch 1", "finish 1", "reset", "aborted: step 2 failed: boom"]
+
+
+def test_on_the_event_loop_only_steps_of_decodes_are_launched() -> None:
+    """A step with prompt tokens (a first one may compile kernels for seconds) or with
+    proposals (read on the host) goes to the worker thread; decodes stay on the loop."""
+    servicer = ComputeServicer()
+    servicer.inline = True
+    decodes = pb.StepRequest(step_id=1, decode_ids=["a", "b"])
+    decodes.continuing.add(request_id="c", num_scheduled_tokens=1, new_block_ids=[7])
+    assert servicer._inline(decodes)
+    chunk = pb.StepRequest(step_id=2, decode_ids=["a"])
+    chunk.continuing.add(request_id="c", num_scheduled_tokens=16)
+    new = pb.StepRequest(step_id=3, decode_ids=["a"])
+    new.new_requests.add(request_id="d", token_ids=[1, 2, 3], num_scheduled_tokens=3)
+    proposed = pb.StepRequest(step_id=4, decode_ids=["a"])
+    proposed.proposals.add(request_id="a", token_ids=[5, 6])
+    assert not any(servicer._inline(s) for s in (chunk, new, proposed))
+    servicer.inline = False
+    assert not servicer._inline(decodes)
+    servicer.executor.shutdown()
+    servicer.waiter.shutdown()
