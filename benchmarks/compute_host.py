@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--out", type=Path, default=None, help="default docs/perf/compute_host.json")
     args = ap.parse_args(argv)
+    if args.compare_arg and (not args.grpc or args.compare_ref):
+        ap.error("--compare-arg needs --grpc, and no --compare-ref")
     if args.out is None:
         name = "compute_host_grpc.json" if args.grpc else "compute_host.json"
         args.out = Path("docs/perf") / name
@@ -257,8 +259,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     trees = {"this": root}
     hows = {"this": how}
     if args.compare_arg:
-        if not args.grpc or args.compare_ref:
-            ap.error("--compare-arg needs --grpc, and no --compare-ref")
         alt = "this " + " ".join(args.compare_arg)
         trees[alt] = root
         hows[alt] = how | {"compute_args": [*args.compute_arg, *args.compare_arg]}
@@ -293,11 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "seqs": args.seqs,
         "steps": args.steps,
-        **(
-            {"grpc": {"in_flight": 1 + args.ahead, "compute_args": args.compute_arg}}
-            if args.grpc
-            else {}
-        ),
+        **({"grpc": {k: how[k] for k in ("in_flight", "compute_args")}} if args.grpc else {}),
         "model": {k: TINY[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
         "ms_per_step_median": medians,
         "runs": runs,

@@ -151,14 +151,9 @@ class ComputeConfig(GrpcServerConfig):
             raise ValueError(
                 f"quantization must be auto, none, int8 or fp8, got {self.quantization!r}"
             )
-        if self.fused_linear not in ("auto", "on", "off"):
-            raise ValueError(f"fused_linear must be auto, on or off, got {self.fused_linear!r}")
-        if self.pdl not in ("auto", "on", "off"):
-            raise ValueError(f"pdl must be auto, on or off, got {self.pdl!r}")
-        if self.overlap_steps not in ("auto", "on", "off"):
-            raise ValueError(f"overlap_steps must be auto, on or off, got {self.overlap_steps!r}")
-        if self.engine_thread not in ("auto", "on", "off"):
-            raise ValueError(f"engine_thread must be auto, on or off, got {self.engine_thread!r}")
+        for name in ("fused_linear", "pdl", "overlap_steps", "engine_thread"):
+            if (value := getattr(self, name)) not in ("auto", "on", "off"):
+                raise ValueError(f"{name} must be auto, on or off, got {value!r}")
         if self.cpu_activations not in ("int16", "fp32"):
             raise ValueError(f"cpu_activations must be int16 or fp32, got {self.cpu_activations!r}")
         if self.dtype not in _DTYPES:
