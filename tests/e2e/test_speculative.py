@@ -62,14 +62,17 @@ def compute() -> Iterator[str]:
 
 
 def _run(
-    compute: str, *control_args: str, on_done: Callable[[], object] | None = None
+    compute: str,
+    *control_args: str,
+    on_done: Callable[[], object] | None = None,
+    max_blocks: int = MAX_BLOCKS,
 ) -> tuple[list[Any], pb.EngineStats]:
-    """The 40 prompts, 8 at a time, through a control plane (with `control_args`) and a
-    gateway on `compute`; `on_done` runs while the stack is still up."""
+    """The 40 prompts, 8 at a time, through a control plane (with `control_args` and a pool
+    of `max_blocks`) and a gateway on `compute`; `on_done` runs while the stack is still up."""
     port = free_port()
     control = f"127.0.0.1:{port}"
     args = ["control-plane", "--port", str(port), "--compute", compute, "--metrics-port", "-1"]
-    args += ["--max-num-blocks", str(MAX_BLOCKS), *control_args]
+    args += ["--max-num-blocks", str(max_blocks), *control_args]
     with child(args, control), gateway(control, free_port()) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
