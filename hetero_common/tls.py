@@ -15,6 +15,16 @@ from typing import Any
 
 import grpc
 
+# How a client channel retries a lost connection: after 0.2 s at first, then at most every
+# second. gRPC's defaults (1 s, growing 1.6x to 2 minutes) leave a plane that came back
+# unused for about as long again as it had been away: a compute plane back after 40 s
+# was attached 25 s later, close to --compute-timeout (60 s), when the requests that
+# wait for it fail.
+RECONNECT_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
 
 def _read(path: str, flag: str) -> bytes:
     try:
@@ -91,11 +101,14 @@ class ClientTLS:
     def aio_channel(
         self, address: str, options: list[tuple[str, Any]] | None = None
     ) -> grpc.aio.Channel:
+        """A channel to `address` that reconnects as RECONNECT_OPTIONS say (`options` may
+        override them)."""
+        options = [*RECONNECT_OPTIONS, *(options or [])]
         if self.enabled:
             return grpc.aio.secure_channel(address, self.credentials(), options=options)
         return grpc.aio.insecure_channel(address, options=options)
 
     def channel(self, address: str) -> grpc.Channel:
         if self.enabled:
-            return grpc.secure_channel(address, self.credentials())
-        return grpc.insecure_channel(address)
+            return grpc.secure_channel(address, self.credentials(), RECONNECT_OPTIONS)
+        return grpc.insecure_channel(address, RECONNECT_OPTIONS)
