@@ -260,7 +260,11 @@ def _attention(
 ) -> list[dict[str, Any]]:
     import triton
 
-    from compute_plane.kernels.decode_attention import _combine, paged_decode_attention
+    from compute_plane.kernels.decode_attention import (
+        _combine,
+        context_tile,
+        paged_decode_attention,
+    )
 
     nblocks = -(-ctx // BLOCK)
     caches = []
@@ -283,11 +287,13 @@ def _attention(
     def combine(parts: torch.Tensor, lse: torch.Tensor) -> None:
         splits = parts.shape[2]
         for _ in range(layers):
+            # (at this context only the splits that start before its end are read)
+            block_d = triton.next_power_of_2(HEAD_DIM)
             _combine[(1, HEADS)](
-                parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2),
+                parts, lse, out, lens, 0, parts.stride(0), parts.stride(1), parts.stride(2),
                 out.stride(0), out.stride(1), NUM_HEADS=HEADS, HEAD_DIM=HEAD_DIM,
-                BLOCK_D=triton.next_power_of_2(HEAD_DIM), NUM_SPLITS=splits,
-                BLOCK_S=triton.next_power_of_2(splits),
+                BLOCK_D=block_d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                BLOCK_N=context_tile(block_d),
             )  # fmt: skip
 
     rows = []

@@ -12,9 +12,10 @@ at a time through the block table, and keeps an online softmax:
 With one split the program writes the output directly. With more (flash-decoding,
 for long contexts and small batches, so enough programs fill the GPU) each split
 writes its normalised partial output and log-sum-exp, and `_combine` merges them.
-A split that starts past the end of a short sequence writes lse = -inf and counts
-for nothing. Head dims that are not powers of two (80, 96) are padded to BLOCK_D
-with masked lanes.
+A split that starts past the end of a short sequence (a CUDA graph's split count is
+chosen for the longest context it serves) returns at once, writing nothing, and the
+combine reads only the splits that start before the end (`split_range`). Head dims
+that are not powers of two (80, 96) are padded to BLOCK_D with masked lanes.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ def weigh_values(p, v, DOT_PRECISION: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The context positions [lo, hi) of `split`, and how many splits are not empty: each
+    split a whole number of BLOCK_N tiles, over the last `window` positions (0: all)."""
+    first = 0
+    if window > 0:
+        first = tl.maximum(seq_len - window, 0)  # blocks before it are never read
+    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+    live = tl.cdiv(seq_len - first, tl.maximum(per_split, 1))  # 0 for an empty context
+    return lo, hi, live
+
+
+@triton.jit
 def _decode_split(
     q_ptr,  # [B, H, D]
     k_cache,  # [N, bs, KVH, D]
@@ -96,15 +111,12 @@ def _decode_split(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)  # (staged by the host: no kernel of the step writes it)
+    lo, hi, live = split_range(seq_len, window, split, NUM_SPLITS, BLOCK_N)
+    if NUM_SPLITS > 1 and split >= live:
+        return  # past the end: the combine reads nothing of this split
     if PDL:  # q and the step's K/V are the kernel before's writes
         gdc_wait()
         gdc_launch_dependents()
-    first = 0
-    if window > 0:
-        first = tl.maximum(seq_len - window, 0)  # blocks before it are never read
-    per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = first + split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -167,6 +179,8 @@ def _combine(
     part_ptr,  # [B, H, NUM_SPLITS, D] fp32
     lse_ptr,  # [B, H, NUM_SPLITS] fp32
     out_ptr,  # [B, H, D]
+    seq_lens,  # [B] int32
+    window,
     stride_pb,
     stride_ph,
     stride_ps,
@@ -177,16 +191,19 @@ def _combine(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the split kernel's
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # the partials are the split kernel's writes; nothing is read or written above
-        gdc_wait()
-        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + seq)  # (staged by the host, as in the split kernel)
+    _, _, live = split_range(seq_len, window, 0, NUM_SPLITS, BLOCK_N)
+    if PDL:  # the partials are the split kernel's writes; nothing else is read above
+        gdc_wait()
+        gdc_launch_dependents()
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
+    s_mask = s < live  # the splits past the end wrote nothing
     lse = tl.load(
         lse_ptr + (seq * NUM_HEADS + head) * NUM_SPLITS + s, mask=s_mask, other=float("-inf")
     )
@@ -221,6 +238,12 @@ def native_dots(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return not interpreted()
     return dtype == torch.float16
+
+
+def context_tile(block_d: int) -> int:
+    """BLOCK_N: the context positions a program reads at a time (each split a multiple)."""
+    # Interpreted programs cost per op, not per lane: wider tiles finish sooner there.
+    return 16 if interpreted() else (64 if block_d <= 128 else 32)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -266,8 +289,7 @@ def paged_decode_attention(
     group = h // kvh
     block_d = triton.next_power_of_2(d)
     block_g = max(16, triton.next_power_of_2(group))
-    # Interpreted programs cost per op, not per lane: wider tiles finish sooner there.
-    block_n = 16 if interpreted() else (64 if block_d <= 128 else 32)
+    block_n = context_tile(block_d)
     common: dict[str, object] = dict(
         GROUP=group,
         BLOCK_G=block_g,
@@ -296,9 +318,9 @@ def paged_decode_attention(
         parts.stride(0), parts.stride(1), parts.stride(2), **common,
     )  # fmt: skip
     _combine[(b, h)](
-        parts, lse, out, parts.stride(0), parts.stride(1), parts.stride(2),
-        out.stride(0), out.stride(1),
+        parts, lse, out, seq_lens, window or 0, parts.stride(0), parts.stride(1),
+        parts.stride(2), out.stride(0), out.stride(1),
         NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), **dependent_launch(),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, **dependent_launch(),
     )  # fmt: skip
     return out

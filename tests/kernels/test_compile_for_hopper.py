@@ -242,9 +242,10 @@ kernels = {
                       "stride_ob", "stride_oh", "stride_os"], ["scale"],
                      dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                           BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True)),
-    "combine": (da._combine, dict(part_ptr=f32, lse_ptr=f32, out_ptr=bf16),
-                ["stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"], [],
-                dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, BLOCK_S=16)),
+    "combine": (da._combine, dict(part_ptr=f32, lse_ptr=f32, out_ptr=bf16, seq_lens=i32),
+                ["window", "stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"],
+                [], dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, BLOCK_S=16,
+                         BLOCK_N=64)),
     "rms_norm": (rn._rms_norm,
                  dict(x_ptr=bf16, res_ptr=bf16, w_ptr=bf16, out_ptr=bf16, res_out_ptr=bf16),
                  ["inner", "stride_x0", "stride_x1", "stride_r0", "stride_r1"], ["eps"],
@@ -263,8 +264,8 @@ print(json.dumps({"compiled": found}))
 def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote() -> None:
     """As programmatic dependent launches (`--pdl`) the rotation, decode attention's split
     and combine, and the norm wait (griddepcontrol.wait), then let the next launch start,
-    before any store and before any load but the split's sequence length (staged by the
-    host); without PDL neither instruction is there."""
+    before any store and before any load but the attention kernels' sequence length (staged
+    by the host); without PDL neither instruction is there."""
     compiled = _compile(_DEPENDENT)["compiled"]
     assert len(compiled) == 8, compiled
     for name, found in compiled.items():
@@ -276,7 +277,8 @@ def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote(
             "griddepcontrol.launch_dependents",
         ], (name, found)
         assert found["stores_before"] == 0, (name, found)
-        assert found["loads_before"] == (1 if name.startswith("decode_split") else 0), (
+        attention = name.startswith(("decode_split", "combine"))
+        assert found["loads_before"] == (1 if attention else 0), (
             name,
             found,
         )

@@ -65,17 +65,32 @@ def test_decode(
         assert err <= TOL[dtype], f"sequence {i} (len {n}): max abs error {err:.2e}"
 
 
-def test_more_splits_than_blocks_of_context() -> None:
-    """Splits past the end of a short sequence count for nothing (lse = -inf)."""
-    cache = PagedCache(8, 8, 2, 64, torch.float32, seed=3)
-    lens = [1, 5]
+@pytest.mark.parametrize("window", [None, 20], ids=["all", "window20"])
+def test_more_splits_than_blocks_of_context(
+    monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    """Splits that start past the end of a short sequence (as in a CUDA graph captured for
+    the longest context) write nothing and the combine reads nothing of them: the partial
+    outputs and log-sum-exps start as NaN here, and only the live splits' are read."""
+
+    def poisoned(*shape: int, **kwargs: object) -> torch.Tensor:
+        return torch.full(shape[0] if len(shape) == 1 else shape, float("nan"), **kwargs)
+
+    cache = PagedCache(24, 8, 2, 64, torch.float32, seed=3)
+    lens = [1, 5, 17, 40, 70]  # 1 to 5 of the 16-position tiles; 12 splits
     tables = cache.tables(lens)
-    q = torch.randn(2, 4, 64).to(DEVICE)
+    q = torch.randn(len(lens), 4, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    out = paged_decode_attention(q, cache.k, cache.v, tables, lens_t, 0.125, num_splits=5)
+    monkeypatch.setattr(torch, "empty", poisoned)  # the kernel's partial buffers
+    out = paged_decode_attention(
+        q, cache.k, cache.v, tables, lens_t, 0.125, num_splits=12, window=window
+    )
+    monkeypatch.undo()
     for i, n in enumerate(lens):
-        expected = attend(q[i], *cache.context(tables[i], n), 0.125)
-        assert (out[i].double() - expected).abs().max().item() <= 1e-5
+        k, v = cache.context(tables[i], n)
+        first = max(0, n - window) if window else 0
+        expected = attend(q[i], k[first:], v[first:], 0.125)
+        assert (out[i].double() - expected).abs().max().item() <= 1e-5, (i, n)
 
 
 def test_split_count_heuristic() -> None:
