@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import functools
+import os
 import sys
+from typing import NoReturn
 
 from hetero_common.logs import LOG_FORMATS, setup_logging
 from hetero_common.tracing import setup_tracing
@@ -222,19 +225,35 @@ def _add_process_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> No
     )
 
 
+SERVERS = ("compute-plane", "control-plane", "gateway")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        if args.command in ("compute-plane", "control-plane", "gateway"):
+        if args.command in SERVERS:
             setup_tracing(f"hetero-{args.command}", args.otlp_traces_endpoint)
-        return int(args.func(args))
+        code = int(args.func(args))
+        if args.command in SERVERS and argv is None:
+            exit_now(code)  # a plane's process, not a caller's (tests call main(argv))
+        return code
     except (ValueError, FileNotFoundError) as e:
         # Bad configuration or a missing model: one clear line, no traceback.
         print(f"hetero-infer: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a plane's process once it has shut down: the exit handlers run (the trace
+    exporter's last flush, logging's), then the process ends without the interpreter's
+    teardown of every module, which took a compute plane ~0.8 s after its last log line."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
