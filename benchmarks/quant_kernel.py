@@ -2,9 +2,11 @@
 
     python -m benchmarks.quant_kernel                       # writes docs/perf/quant_kernel.json
     python -m benchmarks.quant_kernel --compare-ref 34092aa # and that revision's kernel beside it
+    python -m benchmarks.quant_kernel --activations fp32 --out docs/perf/quant_kernel_fp32.json
 
 For each layer shape of SmolLM2-135M (q|k|v, o, gate|up, down in Q4_1's q4 layout; the
-tied lm_head in q8) and each number of rows: the kernel with int16 activations, the same
+tied lm_head in q8) and each number of rows: the kernel with int16 activations (or
+`--activations fp32`, exact, as `--cpu-activations fp32` serves), the same
 weight dequantized + oneDNN's fp32 GEMM (what a dense model runs), and with
 `--compare-ref` the kernel of a git revision (built from `git show REV:...` with the same
 compiler flags, fed the row layout that revision takes; a revision before the blocked
@@ -53,8 +55,9 @@ def _weight(kind: str, k: int, n: int, rng: np.random.Generator) -> QuantWeight:
     return QuantWeight.pack(kind, torch.from_numpy(codes), torch.from_numpy(scales))
 
 
-def _build_ref(rev: str, out_dir: Path) -> ctypes.CDLL:
-    """csrc/quant_linear_cpu.c as it was at `rev`, built as native.py builds it."""
+def _build_ref(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
+    """csrc/quant_linear_cpu.c as it was at `rev`, built as native.py builds it, and
+    whether it takes the blocked ("x16") layout of today's kernel."""
     src = subprocess.run(
         ["git", "show", f"{rev}:compute_plane/csrc/quant_linear_cpu.c"],
         capture_output=True, text=True, check=True,
@@ -69,19 +72,22 @@ def _build_ref(rev: str, out_dir: Path) -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
         fn.argtypes += [ctypes.c_int64, ctypes.c_int]
         fn.restype = ctypes.c_int
-    return dll
+    return dll, 'Layout ("x16")' in src
 
 
-def _ref_call(dll: ctypes.CDLL, w: QuantWeight, x: torch.Tensor) -> Callable[[], object] | None:
-    """The reference kernel on w's row layout, or None where it refuses the shape."""
-    codes, scales = w.rows()
+def _ref_call(
+    ref: tuple[ctypes.CDLL, bool], w: QuantWeight, x: torch.Tensor, exact: bool
+) -> Callable[[], object] | None:
+    """The reference kernel on the layout it takes, or None where it refuses the shape."""
+    dll, blocked = ref
+    codes, scales = (w.codes, w.scales) if blocked else w.rows()
     n, k = w.shape
     y = torch.empty(x.shape[0], n)
     fn = dll.q4_linear_f32 if w.kind == "q4" else dll.q8_linear_f32
 
     def call() -> int:
         args = (x.data_ptr(), x.shape[0], k, codes.data_ptr(), scales.data_ptr(), None)
-        return int(fn(*args, y.data_ptr(), n, 0))
+        return int(fn(*args, y.data_ptr(), n, int(exact)))
 
     return call if call() == 0 else None
 
@@ -109,12 +115,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rows", default="1,2,5,8,16,32,128,512,2048")
     ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' kernel")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds per shape and row count")
+    ap.add_argument("--activations", choices=("int16", "fp32"), default="int16")
     ap.add_argument("--out", type=Path, default=Path("docs/perf/quant_kernel.json"))
     args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     tmp = tempfile.TemporaryDirectory()
     ref = _build_ref(args.compare_ref, Path(tmp.name)) if args.compare_ref else None
     results: list[dict[str, Any]] = []
+    act = args.activations
     for name, (kind, k, n) in SHAPES.items():
         w = _weight(kind, k, n, rng)
         dense = w.dequantize()
@@ -123,14 +131,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue  # only the sampled rows meet the lm_head
             x = torch.randn(m, k)
             # The kernel computes what it is timed for: the dense product, to int16 rounding.
-            err = (w.linear(x) - onednn_linear(x, dense, None)).abs().max().item()
+            err = (w.linear(x, None, act) - onednn_linear(x, dense, None)).abs().max().item()
             assert err < 1e-3 * (1 + x.abs().max().item() * dense.abs().max().item() * k**0.5)
             fns: dict[str, Callable[[], object]] = {
-                "kernel": functools.partial(w.linear, x),
+                "kernel": functools.partial(w.linear, x, None, act),
                 "dequantize_gemm": functools.partial(_dequantize_gemm, w, x),
                 "gemm_dense": functools.partial(onednn_linear, x, dense, None),
             }
-            if ref is not None and (call := _ref_call(ref, w, x)) is not None:
+            if ref is not None and (call := _ref_call(ref, w, x, act == "fp32")) is not None:
                 fns["ref_kernel"] = call
             secs = _time(fns, args.budget)
             row: dict[str, Any] = {"shape": name, "kind": kind, "k": k, "n": n, "rows": m}
@@ -149,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "machine": machine(),
         "compare_ref": args.compare_ref,
+        "activations": act,
         "torch_threads": torch.get_num_threads(),
         "results": results,
     }

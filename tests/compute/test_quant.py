@@ -96,11 +96,10 @@ def test_linear_matches_the_dense_weight(kind: str, rows: int, activations: str)
         assert err.max() > 1e-6  # it does round: the bound is what is being checked
     again = q.linear(x[None], None, activations)[0].double()
     assert torch.allclose(again, got.double() - bias.double(), atol=1e-4)
-    if activations == "int16":
-        _batch_independent(q, bias)
+    _batch_independent(q, bias, activations)
 
 
-def _batch_independent(q: QuantWeight, bias: torch.Tensor) -> None:
+def _batch_independent(q: QuantWeight, bias: torch.Tensor, activations: str) -> None:
     """A row's result does not depend on its batch: alone, and at every place among 1 to
     2 x MAX_KERNEL_ROWS other rows (every tile size of the kernel), it is bit for bit the
     same. A row of 0.01s with one 1000 per group makes int16's rounding visible (steps of
@@ -108,10 +107,11 @@ def _batch_independent(q: QuantWeight, bias: torch.Tensor) -> None:
     k = q.shape[1]
     x = torch.full((1, k), 0.01)
     x[0, ::32] = 1000.0
-    alone = q.linear(x, bias, "int16")[0]
+    alone = q.linear(x, bias, activations)[0]
     for before, after in [(0, 1), (3, 4), (5, 2), (7, 0), (8, 8), (MAX_KERNEL_ROWS, 100)]:
         rows = torch.cat([torch.randn(before, k), x, torch.randn(after, k)])
-        assert torch.equal(q.linear(rows, bias, "int16")[before], alone), (before, after)
+        got = q.linear(rows, bias, activations)[before]
+        assert torch.equal(got, alone), (before, after)
 
 
 @pytest.mark.parametrize("kind", ["q4", "q8"])
