@@ -46,6 +46,16 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
+@cache
+def _byte_table() -> dict[int, int]:
+    """`_byte_decoder` for str.translate: each of its characters to the code point of its
+    byte, and every other character below 256 to U+0100, so that a piece with a character
+    outside the map fails to encode as latin-1."""
+    table = dict.fromkeys(range(256), 0x100)
+    table.update((ord(c), b) for c, b in _byte_decoder().items())
+    return table
+
+
 class TokenizerWrapper:
     """Encode / decode, token bytes, special ids, chat template."""
 
@@ -79,9 +89,11 @@ class TokenizerWrapper:
             return b""
         if i in self.all_special_ids:
             return piece.encode()
-        if self.byte_level:
-            dec = _byte_decoder()
-            return bytes(dec[c] for c in piece) if all(c in dec for c in piece) else piece.encode()
+        if self.byte_level:  # the bytes of a piece of mapped characters, else its UTF-8
+            try:
+                return piece.translate(_byte_table()).encode("latin-1")
+            except UnicodeEncodeError:
+                return piece.encode()
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])  # byte-fallback token
         return piece.replace("▁", " ").encode()
