@@ -64,6 +64,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         # stream ends (a crashed control plane's connection closes, and so does it).
         self._driver: str | None = None
         self._driver_stream: object | None = None
+        self._drops: set[asyncio.Future[None]] = set()  # (asyncio keeps weak references)
 
     async def _claim(self, context: grpc.aio.ServicerContext) -> None:
         """Refuse a control plane other than the one whose Run stream is open."""
@@ -126,8 +127,14 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
             if self._driver_stream is stream:
                 self._driver = self._driver_stream = None
                 # Its control plane is gone or moved its requests elsewhere (a new one
-                # resets anyway): a drain need not wait for them.
-                await self._call(engine.drop_requests, "control plane gone")
+                # resets anyway): a drain need not wait for them. In a task of its own:
+                # when the peer vanished (a control plane killed) gRPC cancels this
+                # handler right after its stream ends, which cancelled the drop with it
+                # and left the requests held until a drain timed out.
+                drop = asyncio.ensure_future(self._call(engine.drop_requests, "control plane gone"))
+                self._drops.add(drop)
+                drop.add_done_callback(self._drops.discard)
+                await asyncio.shield(drop)
 
     async def _steps(
         self,
@@ -258,8 +265,11 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         raise AssertionError("abort raises")
 
     def num_held(self) -> int:
-        """Requests the engine holds (what a drain waits for)."""
-        return len(self.engine.requests) if self.engine is not None else 0
+        """Requests the engine holds for a control plane that drives it (what a drain
+        waits for: without one, nothing will step them)."""
+        if self.engine is None or self._driver is None:
+            return 0
+        return len(self.engine.requests)
 
 
 async def serve(config: ComputeConfig) -> None:

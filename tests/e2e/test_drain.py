@@ -111,6 +111,38 @@ def test_control_plane_finishes_in_flight_then_exits() -> None:
         exits_zero(cproc, sent)
 
 
+def test_compute_plane_forgets_a_killed_control_planes_requests() -> None:
+    """kill -9 the control plane while eight streams run: the compute plane forgets their
+    requests (nothing will step them; a control plane that attaches resets it anyway), so
+    its drain then ends at once instead of waiting out --drain-timeout. gRPC cancels the
+    stream's handler right after such a stream ends, and that once cancelled the drop
+    too: the compute plane held the 8 requests, and a SIGTERM took the full 30 s."""
+    k, c, compute, control = planes()
+    with (
+        child(k, compute) as kproc,
+        child(c, control) as cproc,
+        grpc.insecure_channel(control) as ch,
+    ):
+        stub = pb_grpc.ControlPlaneStub(ch)
+        calls = [started(stub)[0] for _ in range(8)]
+        with grpc.insecure_channel(compute) as kch:
+            stats = compute_pb2_grpc.ComputePlaneStub(kch).Stats
+            assert stats(compute_pb2.StatsRequest(), timeout=10).num_active_requests == 8
+            cproc.send_signal(signal.SIGKILL)
+            cproc.wait()
+            deadline = time.monotonic() + 10
+            while held := stats(compute_pb2.StatsRequest(), timeout=10).num_active_requests:
+                assert time.monotonic() < deadline, f"{held} requests outlived their control plane"
+                time.sleep(0.05)
+        for responses in calls:
+            with pytest.raises(grpc.RpcError):
+                collect(responses)
+        sent = time.monotonic()
+        kproc.send_signal(signal.SIGTERM)
+        assert kproc.wait(timeout=DRAIN + 15) == 0
+        assert time.monotonic() - sent < 5
+
+
 def test_gateway_finishes_stream_then_exits() -> None:
     k, c, compute, control = planes()
     with child(k, compute), child(c, control):
