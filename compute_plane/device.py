@@ -25,6 +25,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def use_device(device: torch.device) -> None:
+    """Make a CUDA `device` the calling thread's current one. Torch's own ops follow their
+    tensors' device, but Triton launches, CUDA graph capture, events and CuPy go to the
+    current device, which CUDA keeps per thread (device 0 until set): without this, a
+    compute plane on `cuda:1` would launch its kernels on device 0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto = float32 on the CPU; bfloat16 on CUDA (float16 where the GPU lacks bf16)."""
     if name != "auto":

@@ -29,7 +29,12 @@ from compute_plane.attention import AttentionMetadata
 from compute_plane.attention.factory import model_kernels, resolve_attention_backend
 from compute_plane.config import ComputeConfig
 from compute_plane.cuda_graphs import DecodeGraphs
-from compute_plane.device import resolve_device, resolve_dtype, resolve_quantization
+from compute_plane.device import (
+    resolve_device,
+    resolve_dtype,
+    resolve_quantization,
+    use_device,
+)
 from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.loader import LoadedModel, load_model
@@ -145,6 +150,7 @@ class Engine:
         self.model_config = loaded.config
         self.model_name = loaded.config.name or loaded.path.name
         self.device = resolve_device(config.device)
+        use_device(self.device)  # this thread's; a server's other threads: compute_plane.server
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.quantization = resolve_quantization(config.quantization, self.device, self.dtype)
         cfg = loaded.config

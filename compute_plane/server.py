@@ -37,6 +37,7 @@ import grpc
 
 from compute_plane import metrics, threads
 from compute_plane.config import ComputeConfig
+from compute_plane.device import use_device
 from compute_plane.engine import Engine, Launched
 from compute_plane.requests import StepRejected
 from hetero_common.grpc_server import GrpcPlane
@@ -288,6 +289,7 @@ async def serve(config: ComputeConfig) -> None:
             mode = config.engine_thread
             on_cuda = servicer.engine.device.type == "cuda"
             servicer.inline = mode == "off" or (mode == "auto" and on_cuda)
+            use_device(servicer.engine.device)  # for inline calls (the engine thread's is set)
             d = servicer.engine.describe()
             await plane.health.set(True)
             log.info(
