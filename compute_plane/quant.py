@@ -47,6 +47,8 @@ class _Kernels:
     q8_linear: Callable[..., int]
     q4_dequant: Callable[..., None]
     q8_dequant: Callable[..., None]
+    q4_pack: Callable[..., None]
+    q8_pack: Callable[..., None]
     int16_kind: int  # the int16 kernel built here: 2 AVX-512, 1 AVX2, 0 plain C
 
 
@@ -63,6 +65,10 @@ def load_kernels() -> _Kernels:
         fn = getattr(lib, name)
         fn.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
         fn.restype = None
+    for name in ("q4_pack", "q8_pack"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, i64, i64, ptr, ptr, ptr]
+        fn.restype = None
     lib.int16_kernel_kind.restype = ctypes.c_int
     log.info(
         "quantized CPU kernels: int16 path %s",
@@ -70,7 +76,7 @@ def load_kernels() -> _Kernels:
     )
     return _Kernels(
         lib.q4_linear_f32, lib.q8_linear_f32, lib.q4_dequant_f32, lib.q8_dequant_f32,
-        lib.int16_kernel_kind(),
+        lib.q4_pack, lib.q8_pack, lib.int16_kernel_kind(),
     )  # fmt: skip
 
 
@@ -101,12 +107,32 @@ class QuantWeight:
     k: int
 
     @classmethod
-    def pack(cls, kind: str, codes: torch.Tensor, scales: torch.Tensor) -> QuantWeight:
-        """From the row layout above."""
-        n = codes.shape[0]
+    def pack(
+        cls,
+        kind: str,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        rows: np.ndarray | None = None,
+    ) -> QuantWeight:
+        """From the row layout above (on the C kernel); `rows`: channel r is row rows[r]."""
+        n = codes.shape[0] if rows is None else len(rows)
         k = codes.shape[1] * (2 if kind == "q4" else 1)
-        c, s = _pack(kind, codes.numpy(), scales.numpy(), n, k)
-        return cls(kind, torch.from_numpy(c), torch.from_numpy(s), n, k)
+        codes, scales = codes.contiguous(), scales.to(torch.float32).contiguous()
+        nb, ng = -(-n // BLOCK), k // GROUP
+        out_codes = torch.empty(nb, ng * (256 if kind == "q4" else 512), dtype=codes.dtype)
+        out_scales = torch.empty(nb, ng * (2 if kind == "q4" else 1) * BLOCK)
+        ids = None
+        if rows is not None:
+            ids = np.ascontiguousarray(rows, dtype=np.int64)
+            if len(ids) and (ids.min() < 0 or ids.max() >= codes.shape[0]):
+                raise IndexError(f"rows out of range for {codes.shape[0]} rows")
+        ks = load_kernels()
+        fn = ks.q4_pack if kind == "q4" else ks.q8_pack
+        fn(
+            codes.data_ptr(), scales.data_ptr(), n, k, None if ids is None else ids.ctypes.data,
+            out_codes.data_ptr(), out_scales.data_ptr(),
+        )  # fmt: skip
+        return cls(kind, out_codes, out_scales, n, k)
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, scales) in the row layout."""
@@ -154,44 +180,11 @@ class QuantWeight:
             raise MemoryError(f"quantized linear failed ({failed}) for {m}x{k} @ {n}x{k}")
         return y.reshape(*x.shape[:-1], n)
 
-    def take_rows(self, perm: np.ndarray) -> QuantWeight:
-        idx = torch.from_numpy(np.ascontiguousarray(perm, dtype=np.int64))
-        codes, scales = self.rows()
-        return QuantWeight.pack(self.kind, codes[idx].contiguous(), scales[idx].contiguous())
-
-
-def _pack(
-    kind: str, codes: np.ndarray, scales: np.ndarray, n: int, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Row layout -> the kernels' blocks of 16 channels (csrc/quant_linear_cpu.c)."""
-    nb, ng = -(-n // BLOCK), k // GROUP
-    pad = nb * BLOCK - n
-    if kind == "q4":
-        c = codes.reshape(n, ng, 16)
-        vals = np.concatenate([c & 0x0F, c >> 4], axis=-1)  # [n, ng, 32]: element order
-        vals = np.pad(vals, ((0, pad), (0, 0), (0, 0)))
-        v = vals.reshape(nb, BLOCK, ng, 8, 4).transpose(0, 2, 3, 1, 4)  # [nb, ng, t, j, 4]
-        out = np.stack([v[..., 0] | (v[..., 2] << 4), v[..., 1] | (v[..., 3] << 4)], axis=-1)
-        sb = np.pad(scales.reshape(n, ng, 2), ((0, pad), (0, 0), (0, 0)))
-        sb = sb.reshape(nb, BLOCK, ng, 2).transpose(0, 2, 3, 1)  # [nb, ng, (s, b), j]
-        return (
-            np.ascontiguousarray(out, dtype=np.uint8).reshape(nb, -1),
-            np.ascontiguousarray(sb, dtype=np.float32).reshape(nb, -1),
-        )
-    c = np.pad(codes.reshape(n, ng, 16, 2), ((0, pad), (0, 0), (0, 0), (0, 0)))
-    c = c.reshape(nb, BLOCK, ng, 16, 2).transpose(0, 2, 3, 1, 4)  # [nb, ng, p, j, 2]
-    s = np.pad(scales.reshape(n, ng), ((0, pad), (0, 0)))
-    s = s.reshape(nb, BLOCK, ng).transpose(0, 2, 1)
-    return (
-        np.ascontiguousarray(c, dtype=np.int8).reshape(nb, -1),
-        np.ascontiguousarray(s, dtype=np.float32).reshape(nb, -1),
-    )
-
 
 def _unpack(
     kind: str, codes: np.ndarray, scales: np.ndarray, n: int, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The inverse of _pack."""
+    """The inverse of QuantWeight.pack (csrc/quant_linear_cpu.c's q4_pack / q8_pack)."""
     nb, ng = codes.shape[0], k // GROUP
     if kind == "q4":
         b = codes.reshape(nb, ng, 8, BLOCK, 2)
@@ -298,8 +291,11 @@ def weight_bytes(weights: Mapping[str, Weight]) -> int:
 
 
 # ------------------------------------------------------------------ GGUF
-def from_gguf(data: np.ndarray, qtype: QT, n: int, k: int) -> QuantWeight | None:
-    """A GGUF tensor's raw blocks -> QuantWeight; None for unquantized or odd shapes."""
+def from_gguf(
+    data: np.ndarray, qtype: QT, n: int, k: int, rows: np.ndarray | None = None
+) -> QuantWeight | None:
+    """A GGUF tensor's raw blocks -> QuantWeight (channel r: the tensor's row rows[r], if
+    given); None for unquantized or odd shapes."""
     if k % GROUP or qtype in (QT.F32, QT.F16, QT.BF16, QT.F64):
         return None
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(n, -1)
@@ -311,25 +307,29 @@ def from_gguf(data: np.ndarray, qtype: QT, n: int, k: int) -> QuantWeight | None
             b = -8.0 * d
         else:
             b = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
-        return _q4(blocks[..., width - 16 :], d, b, n, k)
+        return _q4(blocks[..., width - 16 :], d, b, n, k, rows)
     if qtype == QT.Q8_0:
         blocks = raw.reshape(n, k // GROUP, 34)
         d = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
         codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return QuantWeight.pack("q8", torch.from_numpy(codes), torch.from_numpy(d))
+        return QuantWeight.pack("q8", torch.from_numpy(codes), torch.from_numpy(d), rows)
     if qtype == QT.Q4_K:
-        return _q4_k(raw, n, k)
+        return _q4_k(raw, n, k, rows)
     dense = dequantize(raw, qtype).reshape(n, k)
+    if rows is not None:
+        dense = dense[rows]
     return quantize_q8(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)))
 
 
-def _q4(qs: np.ndarray, s: np.ndarray, b: np.ndarray, n: int, k: int) -> QuantWeight:
+def _q4(
+    qs: np.ndarray, s: np.ndarray, b: np.ndarray, n: int, k: int, rows: np.ndarray | None
+) -> QuantWeight:
     codes = np.ascontiguousarray(qs).reshape(n, k // 2)
     sb = np.stack([s, b], axis=-1).astype(np.float32)
-    return QuantWeight.pack("q4", torch.from_numpy(codes), torch.from_numpy(sb))
+    return QuantWeight.pack("q4", torch.from_numpy(codes), torch.from_numpy(sb), rows)
 
 
-def _q4_k(raw: np.ndarray, n: int, k: int) -> QuantWeight:
+def _q4_k(raw: np.ndarray, n: int, k: int, rows: np.ndarray | None) -> QuantWeight:
     """Q4_K: super-blocks of 256 = 8 groups of 32, w = d*sc_j*q - dmin*m_j."""
     nb = k // 256
     blocks = raw.reshape(n * nb, 144)
@@ -343,4 +343,4 @@ def _q4_k(raw: np.ndarray, n: int, k: int) -> QuantWeight:
     vals = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F  # [.., 4, 2, 32]
     vals = vals.reshape(n * nb * 8, 32)
     packed = vals[:, :16] | (vals[:, 16:] << 4)  # our order: j low, j + 16 high
-    return _q4(packed.reshape(n, k // 2), s.reshape(n, -1), b.reshape(n, -1), n, k)
+    return _q4(packed.reshape(n, k // 2), s.reshape(n, -1), b.reshape(n, -1), n, k, rows)

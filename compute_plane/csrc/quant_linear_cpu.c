@@ -23,7 +23,7 @@
  *   q8 codes: 16 records of 32 bytes, record p: byte 2j, 2j+1 = channel j's inputs 2p,
  *       2p+1. scales: 16 floats.
  *
- * quant.py packs and unpacks it. Arithmetic, two ways:
+ * q4_pack / q8_pack pack it (quant.py unpacks it). Arithmetic, two ways:
  *
  *   int16: x is rounded once per call to int16 per group of 32 (x ~ dx * xq, |xq| <=
  *       32767, so the rounding is at most 2^-16 of the group's largest value); a group's
@@ -421,6 +421,56 @@ int q4_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q, const 
 int q8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *sc,
                   const float *bias, float *y, int64_t N, int exact) {
   return linear(8, x, M, K, q, sc, bias, y, N, exact);
+}
+
+/* The row layout -> the x16 layout above (quant.py's QuantWeight.pack). Row layout:
+ * q4 codes [N][K/2] (byte j of a group: element j in the low, j + 16 in the high nibble),
+ * scales [N][K/32][2] = (s, b); q8 codes [N][K], scales [N][K/32]. Packed channel r is
+ * row rows[r] (rows NULL: row r), so a permutation costs nothing more; the padding
+ * channels of the last block are zero. out_codes / out_scales hold ceil(N/16) blocks. */
+void q4_pack(const uint8_t *codes, const float *scales, int64_t N, int64_t K,
+             const int64_t *rows, uint8_t *out_codes, float *out_scales) {
+  const int64_t ng = K / G, blocks = (N + NB - 1) / NB;
+  memset(out_codes, 0, (size_t)(blocks * ng * 256));
+  memset(out_scales, 0, (size_t)(blocks * ng * 2 * NB) * sizeof(float));
+#pragma omp parallel for schedule(static) if (N * K > (1 << 20))
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t src = rows ? rows[r] : r, nb = r / NB, j = r % NB;
+    const uint8_t *c = codes + src * (K / 2);
+    const float *s = scales + src * ng * 2;
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint8_t *cg = c + g * 16;
+      uint8_t v[G];
+      for (int e = 0; e < 16; ++e) v[e] = cg[e] & 15, v[e + 16] = cg[e] >> 4;
+      uint8_t *o = out_codes + (nb * ng + g) * 256;
+      for (int t = 0; t < 8; ++t) {
+        o[t * 32 + 2 * j] = (uint8_t)(v[4 * t] | (v[4 * t + 2] << 4));
+        o[t * 32 + 2 * j + 1] = (uint8_t)(v[4 * t + 1] | (v[4 * t + 3] << 4));
+      }
+      float *os = out_scales + (nb * ng + g) * 2 * NB;
+      os[j] = s[2 * g], os[NB + j] = s[2 * g + 1];
+    }
+  }
+}
+
+void q8_pack(const int8_t *codes, const float *scales, int64_t N, int64_t K, const int64_t *rows,
+             int8_t *out_codes, float *out_scales) {
+  const int64_t ng = K / G, blocks = (N + NB - 1) / NB;
+  memset(out_codes, 0, (size_t)(blocks * ng * 512));
+  memset(out_scales, 0, (size_t)(blocks * ng * NB) * sizeof(float));
+#pragma omp parallel for schedule(static) if (N * K > (1 << 20))
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t src = rows ? rows[r] : r, nb = r / NB, j = r % NB;
+    const int8_t *c = codes + src * K;
+    for (int64_t g = 0; g < ng; ++g) {
+      int8_t *o = out_codes + (nb * ng + g) * 512;
+      for (int p = 0; p < 16; ++p) {
+        o[p * 32 + 2 * j] = c[g * G + 2 * p];
+        o[p * 32 + 2 * j + 1] = c[g * G + 2 * p + 1];
+      }
+      out_scales[(nb * ng + g) * NB + j] = scales[src * ng + g];
+    }
+  }
 }
 
 /* Channels rows[0..R) of a weight as fp32, out [R][K] (embeddings, dense fallbacks). */

@@ -103,11 +103,10 @@ def load_gguf(
         )
         heads = config.num_attention_heads if "attn_q" in t.name else n_kv
         if quantized and len(shape) == 2:
-            q = from_gguf(t.data, t.tensor_type, *shape)
+            rows = unpermute_rotary(np.arange(shape[0]), heads) if rotary else None
+            q = from_gguf(t.data, t.tensor_type, shape[0], shape[1], rows=rows)
             if q is not None:
-                weights[name] = (
-                    q.take_rows(unpermute_rotary(np.arange(shape[0]), heads)) if rotary else q
-                )
+                weights[name] = q
                 continue
         w = dequantize(t.data, t.tensor_type).reshape(shape)
         if rotary:

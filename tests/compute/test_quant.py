@@ -146,6 +146,26 @@ def test_the_kernels_layout_round_trips(kind: str, n: int) -> None:
         assert not q.scales[-1].view(ng, -1, 16)[..., first_pad:].any()
 
 
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_packing_takes_a_row_permutation(kind: str) -> None:
+    """pack(rows=perm) puts row perm[r] in channel r: what packing the permuted rows gives
+    (the loader un-permutes GGUF's rotary rows this way); a row out of range is refused."""
+    n, k = 40, 64
+    if kind == "q4":
+        codes = torch.from_numpy(RNG.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
+        scales = torch.randn(n, k // 32, 2)
+    else:
+        codes = torch.from_numpy(RNG.integers(-128, 128, size=(n, k), dtype=np.int8))
+        scales = torch.randn(n, k // 32)
+    perm = RNG.permutation(n)
+    q = QuantWeight.pack(kind, codes, scales, rows=perm)
+    back_codes, back_scales = q.rows()
+    assert torch.equal(back_codes, codes[perm]) and torch.equal(back_scales, scales[perm])
+    assert torch.equal(q.dequantize(), QuantWeight.pack(kind, codes, scales).dequantize()[perm])
+    with pytest.raises(IndexError):
+        QuantWeight.pack(kind, codes, scales, rows=np.array([0, n]))
+
+
 def test_rows_fuse_and_look_up() -> None:
     a, b = quantize_q8(torch.randn(8, 64)), quantize_q8(torch.randn(4, 64))
     fused = cat([a, b])
