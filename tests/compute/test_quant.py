@@ -114,18 +114,22 @@ def _batch_independent(q: QuantWeight, bias: torch.Tensor, activations: str) -> 
         assert torch.equal(got, alone), (before, after)
 
 
+def _random_rows(kind: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes and scales of an [n, k] weight in the row layout (QuantWeight)."""
+    if kind == "q4":
+        codes = torch.from_numpy(RNG.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
+        return codes, torch.randn(n, k // 32, 2)
+    codes = torch.from_numpy(RNG.integers(-128, 128, size=(n, k), dtype=np.int8))
+    return codes, torch.randn(n, k // 32)
+
+
 @pytest.mark.parametrize("kind", ["q4", "q8"])
 @pytest.mark.parametrize("n", [16, 33, 96])
 def test_the_kernels_layout_round_trips(kind: str, n: int) -> None:
     """Row layout -> blocks of 16 channels -> row layout is the identity, the padding of a
     last partial block is zero, and dequantize reads the blocks as the rows say."""
     k = 96
-    if kind == "q4":
-        codes = torch.from_numpy(RNG.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
-        scales = torch.randn(n, k // 32, 2)
-    else:
-        codes = torch.from_numpy(RNG.integers(-128, 128, size=(n, k), dtype=np.int8))
-        scales = torch.randn(n, k // 32)
+    codes, scales = _random_rows(kind, n, k)
     q = QuantWeight.pack(kind, codes, scales)
     back_codes, back_scales = q.rows()
     assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)
@@ -151,12 +155,7 @@ def test_packing_takes_a_row_permutation(kind: str) -> None:
     """pack(rows=perm) puts row perm[r] in channel r: what packing the permuted rows gives
     (the loader un-permutes GGUF's rotary rows this way); a row out of range is refused."""
     n, k = 40, 64
-    if kind == "q4":
-        codes = torch.from_numpy(RNG.integers(0, 256, size=(n, k // 2), dtype=np.uint8))
-        scales = torch.randn(n, k // 32, 2)
-    else:
-        codes = torch.from_numpy(RNG.integers(-128, 128, size=(n, k), dtype=np.int8))
-        scales = torch.randn(n, k // 32)
+    codes, scales = _random_rows(kind, n, k)
     perm = RNG.permutation(n)
     q = QuantWeight.pack(kind, codes, scales, rows=perm)
     back_codes, back_scales = q.rows()
