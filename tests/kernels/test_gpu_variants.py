@@ -4,6 +4,8 @@ reported beside the separate kernels, and decode attention agrees across split c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 
@@ -26,8 +28,14 @@ def test_linears_check_and_time_each_config() -> None:
     assert report["down"]["K"] == 64 and report["down"]["op"] == "silu"
 
 
+def _once(fn: Callable[[], object], per_call: int) -> float:
+    """A timer that runs `fn` once (the interpreter's times say nothing)."""
+    fn()
+    return 1.0
+
+
 def test_attention_by_split_count_agrees() -> None:
-    rows = gv.attention((40,), 1, gv.clock_us, torch.float32, DEVICE, graph_splits=3)
+    rows = gv.attention((40,), 1, _once, torch.float32, DEVICE, graph_splits=3)
     assert [r["splits"] for r in rows] == [1, 2, 3, 4, 8, 16]
     assert all(r["max_abs_diff"] < 1e-4 for r in rows), rows
     assert all("combine_us" in r for r in rows if r["splits"] > 1)
