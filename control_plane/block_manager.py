@@ -228,7 +228,7 @@ class BlockManager:
         for rid, table in self._tables.items():
             for b in table[self._released.get(rid, 0) :]:
                 holders[b.block_id] += 1
-        for b in self.pool.blocks:
+        for b in self.pool.blocks.values():  # (a block never made is held by no table)
             if b.ref_cnt != holders[b.block_id]:
                 raise IntegrityError(
                     f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by "

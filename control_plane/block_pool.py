@@ -35,13 +35,24 @@ class Block:
     hash: int = 0
 
 
+class Blocks(dict[int, Block]):
+    """The pool's Block objects by id, each made when first looked up: a block never
+    handed out is free, unreferenced and uncached, so it needs no object. A pool of a
+    million blocks (a tiny model's, or a large GPU's) starts at once instead of after
+    ~1 s of making them; iterating gives the blocks made so far."""
+
+    def __missing__(self, block_id: int) -> Block:
+        block = self[block_id] = Block(block_id)
+        return block
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"{num_blocks} blocks: block 0 is reserved, at least 2 are needed")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = Blocks()
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self.cached: dict[BlockHash, Block] = {}
 
@@ -100,7 +111,7 @@ class BlockPool:
         """free + in use == usable; the index and the free queue agree with the blocks.
 
         Raises IntegrityError (a real check: it stays under `python -O`)."""
-        in_use = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        in_use = sum(1 for b in self.blocks.values() if b.ref_cnt > 0 and b.block_id != 0)
         if self.blocks[0].ref_cnt != 0 or 0 in self.free:
             raise IntegrityError("null block handed out")
         if in_use + len(self.free) != self.num_usable:
@@ -108,7 +119,7 @@ class BlockPool:
                 f"{in_use} in use + {len(self.free)} free != {self.num_usable} usable blocks"
             )
         for bid in self.free:
-            if self.blocks[bid].ref_cnt != 0:
+            if bid in self.blocks and self.blocks[bid].ref_cnt != 0:
                 raise IntegrityError(f"free block {bid} has references")
         for key, b in self.cached.items():
             if b.key != key:

@@ -29,6 +29,20 @@ def _compute_all(bm: BlockManager, req: Request) -> None:
     bm.cache_computed(req)
 
 
+def test_a_large_pool_makes_only_the_blocks_it_hands_out() -> None:
+    """Block objects are made when a block is first handed out, so a pool of millions
+    (a tiny model's KV budget) costs nothing per block to set up; ids are as before."""
+    bm = BlockManager(num_blocks=1_000_000, block_size=BS)
+    assert len(bm.pool.blocks) == 0 and bm.num_free_blocks == 999_999
+    a = _req("a", list(range(9)))
+    assert _admit(bm, a) == [1, 2, 3]
+    assert sorted(bm.pool.blocks) == [1, 2, 3]
+    bm.check_integrity()
+    bm.free(a)
+    assert bm.num_free_blocks == 999_999
+    bm.check_integrity()
+
+
 def test_exact_ids_and_free_order() -> None:
     bm = BlockManager(num_blocks=6, block_size=BS)
     a = _req("a", list(range(9)))
