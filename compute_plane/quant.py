@@ -117,8 +117,14 @@ class QuantWeight:
         """From the row layout above (on the C kernel); `rows`: channel r is row rows[r]."""
         n = codes.shape[0] if rows is None else len(rows)
         k = codes.shape[1] * (2 if kind == "q4" else 1)
-        codes, scales = codes.contiguous(), scales.to(torch.float32).contiguous()
         nb, ng = -(-n // BLOCK), k // GROUP
+        want = torch.uint8 if kind == "q4" else torch.int8
+        per_row = ng * (2 if kind == "q4" else 1)  # scales of a row
+        if codes.dim() != 2 or codes.dtype != want or k % GROUP:
+            raise ValueError(f"{kind} codes: {want} [N, K], got {codes.dtype} {list(codes.shape)}")
+        if scales.numel() != codes.shape[0] * per_row:
+            raise ValueError(f"{kind} scales: {per_row} a row, got {list(scales.shape)}")
+        codes, scales = codes.contiguous(), scales.to(torch.float32).contiguous()
         out_codes = torch.empty(nb, ng * (256 if kind == "q4" else 512), dtype=codes.dtype)
         out_scales = torch.empty(nb, ng * (2 if kind == "q4" else 1) * BLOCK)
         ids = None

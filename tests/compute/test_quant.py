@@ -163,6 +163,10 @@ def test_packing_takes_a_row_permutation(kind: str) -> None:
     assert torch.equal(q.dequantize(), QuantWeight.pack(kind, codes, scales).dequantize()[perm])
     with pytest.raises(IndexError):
         QuantWeight.pack(kind, codes, scales, rows=np.array([0, n]))
+    with pytest.raises(ValueError, match="codes"):  # the C kernel reads them as bytes
+        QuantWeight.pack(kind, codes.to(torch.int16), scales)
+    with pytest.raises(ValueError, match="scales"):
+        QuantWeight.pack(kind, codes, scales[:-1])
 
 
 def test_rows_fuse_and_look_up() -> None:
