@@ -1,0 +1,61 @@
+"""The CPU KV pool: zeros that take neither start-up time nor resident memory until its
+blocks are written (an anonymous mapping's zero pages), then hold what was written."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from compute_plane.model_config import ModelConfig
+
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=192,
+    intermediate_size=512,
+    num_layers=30,
+    num_attention_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=1e4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)  # SmolLM2-135M's cache shape
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cpu_pool_is_resident_only_where_written() -> None:
+    budget = 512 << 20
+    n = num_blocks_for_budget(CFG, 16, torch.float32, budget)
+    before = _rss()
+    cache = KVCache(CFG, n, 16, torch.float32, torch.device("cpu"))
+    assert cache.nbytes == n * bytes_per_block(CFG, 16, torch.float32) > budget - (1 << 20)
+    assert _rss() - before < 32 << 20  # torch.zeros would have made all 512 MiB resident
+    assert len(cache.layers) == CFG.num_layers
+    for k, v in cache.layers:
+        for t in (k, v):
+            assert t.shape == (n, 16, 3, 64) and t.dtype == torch.float32
+            assert t.is_contiguous() and t.data_ptr() % 4096 == 0
+    k0, v7 = cache.layers[0][0], cache.layers[7][1]
+    assert not k0.any() and not v7.any()  # zero pages read as zeros
+    k0[n - 1] = 1.5
+    v7[1:3] = -2.0
+    assert float(k0.sum()) == 1.5 * 16 * 3 * 64 and float(v7.sum()) == -2.0 * 2 * 16 * 3 * 64
+    assert not cache.layers[0][1].any() and not cache.layers[7][0].any()  # no aliasing
+    # what was written, and the reads' temporaries (~11 MiB each), of 512 MiB
+    assert _rss() - before < 96 << 20
+
+
+def test_a_view_keeps_the_mapping_alive() -> None:
+    cache = KVCache(CFG, 64, 16, torch.float32, torch.device("cpu"))
+    k = cache.layers[3][0]
+    k[5] = 4.0
+    del cache
+    assert float(k[5].sum()) == 4.0 * 16 * 3 * 64 and not k[6].any()
