@@ -476,7 +476,7 @@ async def _follow_attachment(engine: ControlEngine, health: HealthReporter) -> N
         if now != serving:
             await health.set(now)
             serving = now
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.05)
 
 
 # The generation_config.json fields that are request defaults (vLLM's --generation-config).

@@ -67,14 +67,17 @@ def wait_serving(
     proc: subprocess.Popen[bytes],
     timeout: float = START_TIMEOUT,
     credentials: grpc.ChannelCredentials | None = None,
+    listening: bool = False,
 ) -> None:
-    """Poll grpc.health.v1 until SERVING; raise if the process dies first."""
+    """Poll grpc.health.v1 until SERVING (with `listening`: until it answers at all, as a
+    control plane does before a compute plane is attached); raise if the process dies
+    first."""
     deadline = time.monotonic() + timeout
-    # A refused connection retried within 0.2 s: with gRPC's defaults (after 1 s, then
+    # A refused connection retried within 0.1 s: with gRPC's defaults (after 1 s, then
     # 1.6, 2.6, 4.1 s...) a control plane was seen serving 1.3-2 s after it was.
     options = [
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 200),
+        ("grpc.initial_reconnect_backoff_ms", 50),
+        ("grpc.max_reconnect_backoff_ms", 100),
     ]
     channel = (
         grpc.secure_channel(address, credentials, options)
@@ -87,14 +90,12 @@ def wait_serving(
             if proc.poll() is not None:
                 raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before serving")
             try:
-                if (
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                    == health_pb2.HealthCheckResponse.SERVING
-                ):
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if listening or status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
     raise TimeoutError(f"{address} not serving after {timeout:.0f} s")
 
 
@@ -118,6 +119,14 @@ def child(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`hetero-infer ARGS` as a child process; yielded once its gRPC health is SERVING
     (TimeoutError, the process stopped, if it is not within `timeout` seconds)."""
+    with spawned(args, quiet) as proc:
+        wait_serving(address, proc, timeout=timeout, credentials=credentials)
+        yield proc
+
+
+@contextlib.contextmanager
+def spawned(args: list[str], quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+    """`hetero-infer ARGS` as a child process, stopped (SIGTERM) at the end of the block."""
     out = subprocess.DEVNULL if quiet else None
     proc = subprocess.Popen(
         [sys.executable, "-m", "hetero_infer.cli", *args],
@@ -126,10 +135,12 @@ def child(
         env=dict(os.environ),
     )
     try:
-        wait_serving(address, proc, timeout=timeout, credentials=credentials)
         yield proc
     finally:
         stop_process(proc)
+
+
+Front = Callable[[str], contextlib.AbstractContextManager[object]]
 
 
 @contextlib.contextmanager
@@ -142,8 +153,10 @@ def local_planes(
     extra_control: tuple[str, ...] = (),
     num_compute: int = 1,
     start_timeout: float | None = None,
+    front: Front | None = None,
 ) -> Iterator[str]:
-    """Compute and control planes on free loopback ports; yields the control plane address.
+    """Compute and control planes on free loopback ports (`start_planes`); yields the
+    control plane address once it is serving.
 
     metrics_ports: the (compute, control) /metrics ports (0: the plane picks a free one and
     logs it; -1: none); default: free ones. With several compute planes (`num_compute`,
@@ -161,24 +174,65 @@ def local_planes(
     control = f"127.0.0.1:{cport}"
     control_args = ["control-plane", *log_args, "--model", model, "--port", str(cport)]
     control_args += ["--compute", ",".join(computes)]
+    control_args += ["--metrics-port", str(cmetrics), *extra_control]
     threads: tuple[str, ...] = ()
     if num_compute > 1 and not any(a.startswith("--num-threads") for a in extra_compute):
         share = max(1, len(os.sched_getaffinity(0)) // num_compute)
         threads = ("--num-threads", str(share))
+    compute_planes = []
+    for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):
+        port = kmetrics if i == 0 or kmetrics <= 0 else 0
+        args = ["compute-plane", *log_args, "--model", model, "--port", str(kport)]
+        compute_planes.append(
+            ([*args, "--metrics-port", str(port), *threads, *extra_compute], compute)
+        )
+    with start_planes(compute_planes, (control_args, control), quiet, start_timeout, front):
+        yield control
+
+
+@contextlib.contextmanager
+def start_planes(
+    computes: list[tuple[list[str], str]],
+    control: tuple[list[str], str],
+    quiet: bool = False,
+    start_timeout: float | None = None,
+    front: Front | None = None,
+) -> Iterator[object]:
+    """Compute planes and a control plane driving them (`hetero-infer ARGS` and the
+    address each serves on); yields once the control plane is serving (a compute plane
+    attached) what `front` gave, and stops them all (the front first) at the end.
+
+    One compute plane loads while the control plane starts (both start at once; the
+    control plane attaches it as soon as it is serving); several start together, and the
+    control plane once they are all serving, so that it attaches them all at once.
+    `front`: a context entered with the control plane's address as soon as that listens
+    (the gateway, which then starts while the compute plane loads).
+    start_timeout: seconds for all of them to be serving (TimeoutError, each stopped);
+    default: START_TIMEOUT for each.
+    """
     deadline = None if start_timeout is None else time.monotonic() + start_timeout
 
     def left() -> float:
         return START_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
 
+    control_args, address = control
     with contextlib.ExitStack() as stack:
-        for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):
-            port = kmetrics if i == 0 or kmetrics <= 0 else 0
-            args = ["compute-plane", *log_args, "--model", model, "--port", str(kport)]
-            args += ["--metrics-port", str(port), *threads, *extra_compute]
-            stack.enter_context(child(args, compute, quiet, timeout=left()))
-        args = [*control_args, "--metrics-port", str(cmetrics), *extra_control]
-        stack.enter_context(child(args, control, quiet, timeout=left()))
-        yield control
+        procs = [stack.enter_context(spawned(args, quiet)) for args, _ in computes]
+        out: list[object] = [None]
+
+        def control_up() -> subprocess.Popen[bytes]:
+            proc = stack.enter_context(spawned(control_args, quiet))
+            if front is not None:
+                wait_serving(address, proc, timeout=left(), listening=True)
+                out[0] = stack.enter_context(front(address))
+            return proc
+
+        proc = control_up() if len(computes) == 1 else None
+        for kproc, (_, compute) in zip(procs, computes, strict=True):
+            wait_serving(compute, kproc, timeout=left())
+        proc = proc or control_up()
+        wait_serving(address, proc, timeout=left())
+        yield out[0]
 
 
 def wait_http_ready(
@@ -203,7 +257,7 @@ def wait_http_ready(
                     return True
         except (urllib.error.URLError, OSError):
             pass
-        time.sleep(0.2)
+        time.sleep(0.05)
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
 
 
@@ -227,6 +281,16 @@ def serve_stack(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    gateways: list[subprocess.Popen[bytes]] = []
+
+    @contextlib.contextmanager
+    def gateway(control: str) -> Iterator[None]:
+        """The gateway, started while the compute plane loads."""
+        args = ["gateway", *log_args, "--host", host, "--port", str(port), "--control", control]
+        with spawned(args) as gw:
+            gateways.append(gw)
+            yield
+
     with local_planes(
         model,
         quiet=False,
@@ -235,29 +299,13 @@ def serve_stack(
         log_args=log_args,
         extra_control=control_args,
         num_compute=num_compute,
-    ) as control:
-        gw = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hetero_infer.cli",
-                "gateway",
-                *log_args,
-                "--host",
-                host,
-                "--port",
-                str(port),
-                "--control",
-                control,
-            ]
-        )
-        try:
-            # A SIGTERM while the gateway starts is a clean stop too (its process group
-            # may have had it as well, so the gateway may have exited 0 already).
-            if wait_http_ready(f"http://{host}:{port}/ready", gw, stopping=lambda: stop):
-                print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
-            while not stop and gw.poll() is None:
-                time.sleep(0.2)
-        finally:
-            stop_process(gw)
+        front=gateway,
+    ):
+        gw = gateways[0]
+        # A SIGTERM while the gateway starts is a clean stop too (its process group may
+        # have had it as well, so the gateway may have exited 0 already).
+        if wait_http_ready(f"http://{host}:{port}/ready", gw, stopping=lambda: stop):
+            print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
+        while not stop and gw.poll() is None:
+            time.sleep(0.2)
     return 0

@@ -13,10 +13,10 @@ import grpc
 import openai
 import pytest
 
-from hetero_infer.local import child, free_port
+from hetero_infer.local import free_port
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
-from tests.procs import compute_plane, gateway
+from tests.procs import compute_plane, control_gateway
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def _run(
     control = f"127.0.0.1:{port}"
     args = ["control-plane", "--port", str(port), "--compute", compute, "--metrics-port", "-1"]
     args += ["--max-num-blocks", str(max_blocks), *control_args]
-    with child(args, control), gateway(control, free_port()) as url:
+    with control_gateway(args, control) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
         model = client.models.list().data[0].id
 
