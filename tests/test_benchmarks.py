@@ -21,6 +21,7 @@ from benchmarks import (
     peers,
     profile,
     quant_kernel,
+    startup,
 )
 from benchmarks.workload import PRESETS, Preset, make_workload
 from hetero_common.model_path import bundled_gguf
@@ -339,3 +340,18 @@ def test_layer_draft_is_the_models_first_layers(tmp_path: Path) -> None:
     assert "model.layers.2.mlp.down_proj.weight" not in cut.weights
     text = "Speculative decoding, drafted."
     assert load_tokenizer(draft).encode(text) == load_tokenizer(src).encode(text)
+
+
+def test_startup_benchmark_tiny(tmp_path: Path) -> None:
+    """Both ways reach /ready; the one-by-one run's parts add up to its total."""
+    out = tmp_path / "startup.json"
+    report = startup.main(["--runs", "1", "--out", str(out)])
+    assert json.loads(out.read_text())["runs"] == report["runs"]
+    assert report["machine"]["cpu"]
+    (together,) = report["runs"]["together"]
+    (one,) = report["runs"]["one_by_one"]
+    assert together["ready_s"] > 0 and one["ready_s"] > 0
+    parts = one["compute_s"] + one["control_s"] + one["gateway_s"]
+    assert abs(parts - one["ready_s"]) < 0.01
+    ratio = report["together_vs_one_by_one"]
+    assert ratio == round(together["ready_s"] / one["ready_s"], 3)
