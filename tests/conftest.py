@@ -161,3 +161,27 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:  # ty
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    """transformers' greedy `generate` for all the prompts in one batch, left-padded under
+    an attention mask (as transformers batches prompts of different lengths), EOS ignored.
+    A step reads the weights once for every prompt, where `hf_greedy` reads them once per
+    prompt: Gemma 3 270M's 4 x 32 tokens take 5.4 s rather than 14.3 (its 262k-row
+    lm_head dominates), SmolLM2's 2.9 rather than 7.9; the tokens were the same for both
+    models' test prompts."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [[int(t) for t in row[width:]] for row in out]

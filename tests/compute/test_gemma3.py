@@ -18,7 +18,7 @@ from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
 from hetero_common.model_path import GEMMA3_DISTRIBUTION, GEMMA3_PARTS, gemma3_gguf
 from tests.compute.step_driver import StepDriver
-from tests.conftest import hf_greedy, installed
+from tests.conftest import hf_greedy_batch, installed
 
 PROMPTS = [
     "The capital of France is",
@@ -63,7 +63,7 @@ def hf_model(gguf: Path, gguf_parsed_once: None):  # type: ignore[no-untyped-def
 @pytest.fixture(scope="module")
 def hf_answers(hf_tokenizer, hf_model) -> list[list[int]]:  # type: ignore[no-untyped-def]
     """transformers' greedy 32 tokens for each prompt (each test takes what it needs)."""
-    return [hf_greedy(hf_model, hf_tokenizer(t)["input_ids"], 32) for t in PROMPTS]
+    return hf_greedy_batch(hf_model, [hf_tokenizer(t)["input_ids"] for t in PROMPTS], 32)
 
 
 def _greedy(engine: Engine, prompt: list[int], n: int, seed: int) -> list[int]:

@@ -15,7 +15,7 @@ from control_plane.compute_client import sampled_tokens
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 from tests.compute.step_driver import StepDriver
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy_batch
 from tests.procs import compute_plane
 
 KV_BYTES = 48 << 20
@@ -85,11 +85,9 @@ def test_health_and_describe_match_model(stub, channel, hf_smollm2) -> None:  # 
 
 
 def _greedy_reference(hf_smollm2, tokenizer) -> dict[str, tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
-    out = {}
-    for i, text in enumerate(PROMPTS):
-        ids = tokenizer(text).input_ids
-        out[f"r{i}"] = (ids, hf_greedy(hf_smollm2, ids, NEW_TOKENS))
-    return out
+    prompts = [tokenizer(text).input_ids for text in PROMPTS]
+    answers = hf_greedy_batch(hf_smollm2, prompts, NEW_TOKENS)
+    return {f"r{i}": (ids, out) for i, (ids, out) in enumerate(zip(prompts, answers, strict=True))}
 
 
 @pytest.fixture(scope="module")
