@@ -14,24 +14,22 @@ on the machine: with 2 cores a second busy process changes the figures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.workload import machine, write_report
-from hetero_infer.local import child, free_port, spawned, start_planes, wait_http_ready
-
-
-@contextlib.contextmanager
-def _gateway(control: str, port: int) -> Iterator[subprocess.Popen[bytes]]:
-    with spawned(["gateway", "--port", str(port), "--control", control], quiet=True) as proc:
-        yield proc
+from hetero_infer.local import (
+    child,
+    free_port,
+    gateway_process,
+    start_planes,
+    wait_http_ready,
+)
 
 
 def _args(model: str) -> tuple[list[str], str, list[str], str]:
@@ -45,7 +43,7 @@ def _args(model: str) -> tuple[list[str], str, list[str], str]:
 def together(model: str) -> dict[str, float]:
     kargs, compute, cargs, control = _args(model)
     port = free_port()
-    front = functools.partial(_gateway, port=port)
+    front = functools.partial(gateway_process, port=port, quiet=True)
     start = time.perf_counter()
     with start_planes([(kargs, compute)], (cargs, control), quiet=True, front=front) as gw:
         assert isinstance(gw, subprocess.Popen)
@@ -61,7 +59,7 @@ def one_by_one(model: str) -> dict[str, float]:
         t_compute = time.perf_counter()
         with child(cargs, control, quiet=True):
             t_control = time.perf_counter()
-            with _gateway(control, port) as gw:
+            with gateway_process(control, port, quiet=True) as gw:
                 wait_http_ready(f"http://127.0.0.1:{port}/ready", gw)
                 end = time.perf_counter()
     return {

@@ -43,25 +43,20 @@ class KVCache:
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        zeros = _lazy_zeros if device.type == "cpu" else _device_zeros
         self.layers = [
-            (zeros(shape, dtype, device), zeros(shape, dtype, device))
+            (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
             for _ in range(cfg.num_layers)
         ]
         self.nbytes = sum(k.nbytes + v.nbytes for k, v in self.layers)
 
 
-def _device_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros in an anonymous mapping: the kernel hands out zero pages as they are first
-    written, so the pool costs neither start-up time nor resident memory until its blocks
-    are used (torch.zeros writes every page: 0.4-0.8 s and 1 GiB resident for the default
-    CPU pool before the first request). Page-aligned, contiguous; the tensor keeps the
-    mapping alive."""
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in an anonymous mapping: the kernel hands out zero pages as they
+    are first written, so the pool costs neither start-up time nor resident memory until
+    its blocks are used (torch.zeros writes every page: 0.4-0.8 s and 1 GiB resident for
+    the default CPU pool before the first request). Page-aligned, contiguous; the tensor
+    keeps the mapping alive."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:  # mmap refuses an empty mapping
+    if device.type != "cpu" or nbytes == 0:  # mmap refuses an empty mapping
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)

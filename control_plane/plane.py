@@ -289,12 +289,11 @@ class ComputePlane:
         compute plane at once where one accepts requests, else wait for this one to
         come back (up to compute_timeout)."""
         backoff = 0.2
-        ever_attached = False
         while True:
             try:
                 if not self.attached.is_set():
                     await self._attach()
-                    backoff, ever_attached = 0.2, True
+                    backoff = 0.2
                 await self._loop()
             except asyncio.CancelledError:
                 raise
@@ -337,7 +336,8 @@ class ComputePlane:
                 if self.leaving and not self._parked:
                     self.engine.plane_gone(self)  # gone from the list, nothing of its own left
                     return
-                if not ever_attached and getattr(e, "code", "") == "UNAVAILABLE":
+                never_attached = self.description is None
+                if never_attached and getattr(e, "code", "") == "UNAVAILABLE":
                     # Not listening yet, or loading its model: a compute plane started
                     # with this control plane (`serve`) is attached within 0.1 s of
                     # serving, not up to 2 s later.

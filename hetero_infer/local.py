@@ -125,6 +125,16 @@ def child(
 
 
 @contextlib.contextmanager
+def gateway_process(
+    control: str, port: int, *extra: str, quiet: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A gateway on `port` in front of the control plane at `control` (not waited on),
+    stopped at the end of the block."""
+    with spawned(["gateway", "--port", str(port), "--control", control, *extra], quiet) as proc:
+        yield proc
+
+
+@contextlib.contextmanager
 def spawned(args: list[str], quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
     """`hetero-infer ARGS` as a child process, stopped (SIGTERM) at the end of the block."""
     out = subprocess.DEVNULL if quiet else None
@@ -204,7 +214,8 @@ def start_planes(
 
     One compute plane loads while the control plane starts (both start at once; the
     control plane attaches it as soon as it is serving); several start together, and the
-    control plane once they are all serving, so that it attaches them all at once.
+    control plane once they are all serving, so that it attaches them all at once; with
+    none, the control plane drives compute planes that are up already.
     `front`: a context entered with the control plane's address as soon as that listens
     (the gateway, which then starts while the compute plane loads).
     start_timeout: seconds for all of them to be serving (TimeoutError, each stopped);
@@ -286,8 +297,7 @@ def serve_stack(
     @contextlib.contextmanager
     def gateway(control: str) -> Iterator[None]:
         """The gateway, started while the compute plane loads."""
-        args = ["gateway", *log_args, "--host", host, "--port", str(port), "--control", control]
-        with spawned(args) as gw:
+        with gateway_process(control, port, "--host", host, *log_args) as gw:
             gateways.append(gw)
             yield
 

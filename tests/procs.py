@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,10 +12,9 @@ from hetero_infer.local import (
     Front,
     child,
     free_port,
-    spawned,
+    gateway_process,
     start_planes,
     wait_http_ready,
-    wait_serving,
 )
 
 
@@ -39,21 +39,29 @@ class Stack:
 
 
 @contextlib.contextmanager
-def control_stack(
-    compute_args: tuple[str, ...] = (),
-    control_args: tuple[str, ...] = (),
-    front: Front | None = None,
-) -> Iterator[Stack]:
-    """Compute plane + control plane, each its own process, bundled model on the CPU,
-    started at once (`start_planes`; `front` as there)."""
+def _planes(
+    compute_args: tuple[str, ...], control_args: tuple[str, ...], front: Front | None = None
+) -> Iterator[tuple[Stack, object]]:
+    """A compute plane and a control plane on free ports, started at once (`start_planes`,
+    `front` as there): the stack, and what `front` gave."""
     kmetrics, cmetrics = free_port(), free_port()
     kport, port = free_port(), free_port()
     compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{port}"
     kargs = ["compute-plane", "--port", str(kport), "--metrics-port", str(kmetrics)]
     args = ["control-plane", "--port", str(port), "--compute", compute]
     args += ["--metrics-port", str(cmetrics), *control_args]
-    with start_planes([([*kargs, *compute_args], compute)], (args, control), front=front):
-        yield Stack(compute, control, kmetrics, cmetrics)
+    with start_planes([([*kargs, *compute_args], compute)], (args, control), front=front) as out:
+        yield Stack(compute, control, kmetrics, cmetrics), out
+
+
+@contextlib.contextmanager
+def control_stack(
+    compute_args: tuple[str, ...] = (), control_args: tuple[str, ...] = ()
+) -> Iterator[Stack]:
+    """Compute plane + control plane, each its own process, bundled model on the CPU,
+    started at once."""
+    with _planes(compute_args, control_args) as (stack, _):
+        yield stack
 
 
 @dataclass
@@ -64,19 +72,18 @@ class FullStack(Stack):
 @contextlib.contextmanager
 def gateway(control: str, port: int, *extra: str, url_path: str = "/ready") -> Iterator[str]:
     """A gateway process in front of `control`; yields its base URL once `url_path` is 200."""
-    with gateway_started(control, port, *extra) as (url, proc):
+    with gateway_process(control, port, *extra) as proc:
+        url = f"http://127.0.0.1:{port}"
         wait_http_ready(url + url_path, proc)
         yield url
 
 
-@contextlib.contextmanager
-def gateway_started(
-    control: str, port: int, *extra: str
-) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A gateway process in front of `control`, not yet waited on: (its URL, process)."""
-    args = ["gateway", "--port", str(port), "--control", control, *extra]
-    with spawned(args) as proc:
-        yield f"http://127.0.0.1:{port}", proc
+def _ready(port: int, gw: object) -> str:
+    """The URL of the gateway `gw` on `port`, once its /ready is 200."""
+    assert isinstance(gw, subprocess.Popen)
+    url = f"http://127.0.0.1:{port}"
+    wait_http_ready(url + "/ready", gw)
+    return url
 
 
 @contextlib.contextmanager
@@ -85,28 +92,19 @@ def gateway_stack(
 ) -> Iterator[FullStack]:
     """All three planes as separate processes, the control plane and the gateway started
     while the compute plane loads; yields once the gateway reports ready."""
-    started: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    @contextlib.contextmanager
-    def front(control: str) -> Iterator[None]:
-        with gateway_started(control, free_port()) as gw:
-            started.append(gw)
-            yield
-
-    with control_stack(compute_args, control_args, front) as s:
-        url, proc = started[0]
-        wait_http_ready(url + "/ready", proc)
+    port = free_port()
+    front = functools.partial(gateway_process, port=port)
+    with _planes(compute_args, control_args, front) as (s, gw):
+        url = _ready(port, gw)
         yield FullStack(s.compute, s.control, s.compute_metrics, s.control_metrics, url)
 
 
 @contextlib.contextmanager
 def control_gateway(control_args: list[str], control: str) -> Iterator[str]:
-    """A control plane (`hetero-infer CONTROL_ARGS`, serving on `control`) and a gateway
-    in front of it, started as soon as the control plane listens; yields the gateway's
-    URL once it is ready."""
-    with spawned(control_args) as proc:
-        wait_serving(control, proc, listening=True)
-        with gateway_started(control, free_port()) as (url, gw):
-            wait_serving(control, proc)
-            wait_http_ready(url + "/ready", gw)
-            yield url
+    """A control plane (`hetero-infer CONTROL_ARGS`, serving on `control`, its compute
+    planes already up) and a gateway in front of it, started as soon as the control plane
+    listens; yields the gateway's URL once it is ready."""
+    port = free_port()
+    front = functools.partial(gateway_process, port=port)
+    with start_planes([], (control_args, control), front=front) as gw:
+        yield _ready(port, gw)
