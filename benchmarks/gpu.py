@@ -333,10 +333,16 @@ def step_times(engine: Any, peak: float, both_launches: bool = False) -> list[di
 
 def _graph_output(engine: Any, batch: int, ctx: int = 512) -> torch.Tensor:
     """The decode graph's hidden states for `batch` sequences of `ctx` tokens (as
-    `_decode_graph_time` stages them), copied."""
+    `_decode_graph_time` stages them), copied. The step's own K/V slots hold NaN in every
+    layer before that replay: a kernel that read them before the rotation wrote them (a
+    programmatic dependent that read too early) would make the states NaN."""
     graphs = engine.graphs
     _decode_graph_time(engine, batch, ctx)  # stages the inputs (and replays)
     size = next(b for b in graphs.sizes if b >= batch)
+    slots = graphs.slots[:size]
+    for layer in engine.kv_cache.layers:
+        for cache in layer[:2]:
+            cache.view(-1, *cache.shape[2:])[slots] = float("nan")
     graphs.graphs[size].replay()
     torch.cuda.synchronize()
     return graphs.outputs[size][:batch].clone()

@@ -34,8 +34,10 @@
 #           $OUT/compute_host_grpc_gpu.json (capped: $HOST_TIMEOUT, 240; 4 server starts,
 #           the report written at the end)
 #   steps   not in `all`: the engine's start-up choice of the small-step linears
-#           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256,
-#           into $OUT/steps.json (a short call after a kernel change)
+#           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256
+#           each way (benchmarks/device/steps.py), into $OUT/steps_head.json; with
+#           $BASE_TREE (a copy of an older commit's tree) that tree's too, after it
+#           (a short call after a kernel change)
 # Logs land in $OUT/check.log and reports in $OUT (they come back, also from a call stopped
 # at its limit; a call brings back at most 8 files, so the stages share one log).
 # gpu.json is written after each part, and a part that fails is recorded in its `errors`
@@ -114,22 +116,17 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
       ;;
     steps)
       # the engine's start-up choice of the small-step linears and the decode steps alone
-      # (decode_step of the bench stage, with no workload): a short call after a kernel change
-      TRITON_PRINT_AUTOTUNING=1 timeout -s INT -k 30 "${STEPS_TIMEOUT:-240}" python3 -c '
-import json, os, sys
-from pathlib import Path
-from benchmarks.gpu import copy_bandwidth, step_times, write_random_model
-from hetero_infer.offline import OfflineLLM
-peak = copy_bandwidth()
-llm = OfflineLLM(str(write_random_model(Path("/tmp/qwen3-0.6b-random"))))
-report = {"copy_bandwidth_GB_per_s": round(peak / 1e9, 1),
-          "fused_rows": llm.engine.model.fused_rows,
-          "fused_linear_timings": llm.engine.fused_linear_timings}
-print(json.dumps(report), flush=True)
-report["decode_step"] = step_times(llm.engine, peak, both_launches=True)
-Path(os.environ["OUT"], "steps.json").write_text(json.dumps(report, indent=2) + "\n")
-' 2>&1 | tee -a "$OUT/check.log"
-      rc=$((rc | PIPESTATUS[0]))
+      # (benchmarks/device/steps.py: each way of launching, decode attention's early tile
+      # off and on): a short call after a kernel change; $BASE_TREE: an older commit's
+      # tree copied into this one (`git archive REV | tar -x -C .base`, carried), timed
+      # after this tree in the same call, in a process of its own
+      for tree in . ${BASE_TREE:-}; do
+        label=$([ "$tree" = . ] && echo head || basename "$tree")
+        TRITON_PRINT_AUTOTUNING=1 PYTHONPATH="/tmp/site:$(cd "$tree" && pwd)" \
+          timeout -s INT -k 30 "${STEPS_TIMEOUT:-180}" python3 benchmarks/device/steps.py \
+          --label "$label" --out "$OUT/steps_${label#.}.json" 2>&1 | tee -a "$OUT/check.log"
+        rc=$((rc | PIPESTATUS[0]))
+      done
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

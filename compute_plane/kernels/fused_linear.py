@@ -105,7 +105,11 @@ def _configs(gemv: bool, preload_only: bool = False) -> list[triton.Config]:
         ((2, 1024, 4, 2, False), (4, 512, 4, 2, False), (4, 1024, 4, 2, False),
          (8, 256, 4, 3, False), (8, 512, 4, 2, False), (16, 256, 4, 3, False),
          (16, 512, 8, 2, False), (2, 1024, 4, 2, True), (4, 1024, 4, 2, True),
-         (4, 512, 4, 2, True), (8, 512, 4, 2, True), (1, 1024, 4, 2, True))
+         (4, 512, 4, 2, True), (8, 512, 4, 2, True), (1, 1024, 4, 2, True),
+         # a program's whole row of W read before the wait where K is 2048 or 3072 (the
+         # attention's output projection, the down projection), as at 1024 above: under
+         # PDL the read overlaps the kernel before (`_long_tiles` keeps them off short K)
+         (1, 2048, 4, 1, True), (2, 2048, 4, 1, True), (1, 4096, 4, 1, True))
         if gemv
         else ((16, 256, 4, 4, False), (32, 128, 4, 4, False), (64, 128, 4, 3, False),
               (64, 256, 8, 3, False))
@@ -187,6 +191,15 @@ def _fused_linear(
     tl.store(out, acc.to(ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+def _long_tiles(
+    configs: list[triton.Config], named_args: dict[str, Any], **kwargs: Any
+) -> list[triton.Config]:
+    """The configs worth timing at this K: a K tile longer than 1024 only where at least
+    half of it is inside the row (2048 and 4096 tiles are for K of 2048 and 3072)."""
+    k = named_args["K"]
+    return [c for c in configs if c.kwargs["BLOCK_K"] <= max(1024, 2 * k - 1)]
+
+
 # On a GPU each (N, K, op, row block) of each form is tuned at its first call (the
 # start-up choice, before any CUDA graph is captured); the interpreter runs one config.
 def _tuned(gemv: bool, preload_only: bool = False) -> Any:
@@ -196,7 +209,11 @@ def _tuned(gemv: bool, preload_only: bool = False) -> Any:
     # (BLOCK_M too: the matrix-vector form's [rows, N, K] product grows with the rows; each
     # row count a small step meets is tuned by the start-up choice, which runs them first)
     configs = _configs(gemv, preload_only)
-    return triton.autotune(configs=configs, key=["N", "K", "MODE", "BLOCK_M"])(kernel)
+    return triton.autotune(
+        configs=configs,
+        key=["N", "K", "MODE", "BLOCK_M"],
+        prune_configs_by={"early_config_prune": _long_tiles},
+    )(kernel)
 
 
 _gemv_kernel, _dot_kernel = _tuned(True), _tuned(False)

@@ -26,7 +26,8 @@ def _heads(
     stride_h,
     out_ptr,  # the token's first head in the output (contiguous heads)
     num_heads,
-    w_ptr,  # the per-head norm weight [D] (HAS_NORM)
+    w1,  # the per-head norm weight's halves [1, BLOCK_HALF] fp32 (HAS_NORM)
+    w2,
     eps,
     c,
     s,
@@ -45,8 +46,6 @@ def _heads(
     if HAS_NORM:  # as rms_norm: normalise in fp32, round, scale by the weight, round
         var = (tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF)
         r = tl.rsqrt(var + eps)[:, None]
-        w1 = tl.load(w_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * r).to(ty).to(tl.float32) * w1).to(ty).to(tl.float32)
         x2 = ((x2 * r).to(ty).to(tl.float32) * w2).to(ty).to(tl.float32)
     dst = out_ptr + h[:, None] * (2 * HALF) + i[None, :]
@@ -86,24 +85,32 @@ def _qk_rotary(
     WRITE_CACHE: tl.constexpr,
     PDL: tl.constexpr = False,  # a programmatic dependent launch (kernels.set_dependent_launch)
 ):
-    if PDL:  # q, k and v are the kernel before's outputs; nothing is read or written above
-        gdc_wait()
-        gdc_launch_dependents()
+    # Read before the wait: the step's positions and slots (staged by the host before the
+    # step; no kernel writes them), the angle tables and the norm weights (the model's)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     i_mask = i < HALF
     c = tl.load(cos_ptr + pos * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * stride_cos + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
-    _heads(
-        q_ptr + t * stride_qt, stride_qh, q_out + t * num_q * (2 * HALF), num_q, qw_ptr, eps,
-        c, s, i, i_mask, HALF, BLOCK_Q, HAS_NORM,
-    )  # fmt: skip
     # a token's K/V rows are contiguous heads both in k_out and at a cache slot
     row = tl.load(slots + t).to(tl.int64) if WRITE_CACHE else t
+    qw1, qw2, kw1, kw2 = c, c, c, c  # (unused without the norm)
+    if HAS_NORM:
+        qw1 = tl.load(qw_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        qw2 = tl.load(qw_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        kw1 = tl.load(kw_ptr + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+        kw2 = tl.load(kw_ptr + HALF + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    if PDL:  # q, k and v are the kernel before's outputs; nothing is written above
+        gdc_wait()
+        gdc_launch_dependents()
     _heads(
-        k_ptr + t * stride_kt, stride_kh, k_out + row * num_k * (2 * HALF), num_k, kw_ptr, eps,
-        c, s, i, i_mask, HALF, BLOCK_K, HAS_NORM,
+        q_ptr + t * stride_qt, stride_qh, q_out + t * num_q * (2 * HALF), num_q, qw1, qw2, eps,
+        c, s, i, i_mask, HALF, BLOCK_Q, HAS_NORM,
+    )  # fmt: skip
+    _heads(
+        k_ptr + t * stride_kt, stride_kh, k_out + row * num_k * (2 * HALF), num_k, kw1, kw2,
+        eps, c, s, i, i_mask, HALF, BLOCK_K, HAS_NORM,
     )  # fmt: skip
     if WRITE_CACHE:  # v unchanged, a half-row at a time (fp32 holds every 16-bit value)
         h = tl.arange(0, BLOCK_K)

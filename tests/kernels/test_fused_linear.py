@@ -184,3 +184,22 @@ def test_fused_rows_faster_times_both_ways_on_a_gpu(_: None) -> None:
         assert len(timings) == len(sizes) and rows == sizes[-1]
     else:
         assert rows == (timings[-2]["rows"] if len(timings) > 1 else 0)
+
+
+def test_tiles_longer_than_1024_are_timed_only_where_the_row_fills_half() -> None:
+    """The autotuner times the 2048 and 4096 K tiles (a whole row of W read before the
+    wait) only where at least half of the tile is inside the row; the others at any K."""
+    from compute_plane.kernels.fused_linear import _configs, _long_tiles
+
+    configs = _configs(True)
+    tiles = {k: sorted({c.kwargs["BLOCK_K"] for c in _long_tiles(configs, {"K": k})}) for k in
+             (40, 1024, 1025, 2048, 3072)}  # fmt: skip
+    assert tiles == {
+        40: [256, 512, 1024],
+        1024: [256, 512, 1024],
+        1025: [256, 512, 1024, 2048],
+        2048: [256, 512, 1024, 2048],
+        3072: [256, 512, 1024, 2048, 4096],
+    }
+    short = [c for c in configs if c.kwargs["BLOCK_K"] <= 1024]
+    assert _long_tiles(configs, {"K": 40}) == short
