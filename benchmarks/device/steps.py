@@ -5,10 +5,7 @@ a baseline in the same call), with the engine's start-up choice of the small-ste
     python3 benchmarks/device/steps.py --label head --out $OUT/steps_head.json
 
 Each way of launching that the tree has is timed in the same process (`step_times` with
-both launches: dependent launches on and off, preloading linears or not). Where the tree's
-decode attention reads a small batch's first K/V tile before its wait
-(`decode_attention.Early`), the steps are timed again with that off and then on again
-(the device's drift between the two), each after capturing the graphs again.
+both launches: dependent launches on and off, preloading linears or not).
 """
 
 from __future__ import annotations
@@ -47,18 +44,6 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     report["decode_step"] = gpu.step_times(engine, peak, both_launches=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    try:
-        from compute_plane.kernels.decode_attention import Early
-    except ImportError:  # an older tree
-        return
-    rows = Early.rows
-    graphs = engine.graphs
-    assert graphs is not None, "CUDA graphs are off"
-    for label, value in (("early_off", 0), ("early_on_again", rows)):
-        Early.rows = value
-        graphs.capture()
-        report[label] = gpu.step_times(engine, peak)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

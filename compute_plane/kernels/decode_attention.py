@@ -16,14 +16,6 @@ A split that starts past the end of a short sequence (a CUDA graph's split count
 chosen for the longest context it serves) returns at once, writing nothing, and the
 combine reads only the splits that start before the end (`split_range`). Head dims
 that are not powers of two (80, 96) are padded to BLOCK_D with masked lanes.
-
-Launched as a programmatic dependent (`--pdl`), a program of a small batch (at most
-`Early.rows` sequences) reads its first tile of K/V before it waits for the kernel before
-(the rotation that writes the step's K/V): everything but the last `FRESH` positions of a
-context was cached by earlier steps. After the wait it reads those positions again, and
-the query. At batch 1 a split is one tile, so its whole K/V read overlaps the kernel
-before. Larger batches keep the pipelined loop as it is (peeling a tile out of it cost
-+51 % at batch 64 in an earlier experiment).
 """
 
 from __future__ import annotations
@@ -34,18 +26,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from compute_plane.kernels import dependent_launch, interpreted
-
-# The positions at the end of a context that a step may itself have written: its own token,
-# and a speculative draft's catch-up of up to `speculative.CATCH_UP` tokens of one
-# sequence as one-token rows of the same step (a test holds the two together).
-FRESH = 16
-
-
-class Early:
-    """Decode batches of at most `rows` sequences read their first K/V tile before the
-    wait when launched as programmatic dependents (0: never; `benchmarks.gpu` times each)."""
-
-    rows: int = 4
 
 
 @triton.jit
@@ -80,15 +60,6 @@ def weigh_values(p, v, DOT_PRECISION: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _scores(q, k, n_mask, scale, DOT_PRECISION: tl.constexpr, NATIVE: tl.constexpr):
-    """q·kᵀ·scale [BLOCK_G, BLOCK_N] in fp32, -inf at the masked positions."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if NATIVE:  # (else q was scaled before the dot)
-        s = s * scale
-    return tl.where(n_mask[None, :], s, float("-inf"))
-
-
-@triton.jit
 def split_range(seq_len, window, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The context positions [lo, hi) of `split`, and how many splits are not empty: each
     split a whole number of BLOCK_N tiles, over the last `window` positions (0: all)."""
@@ -107,15 +78,12 @@ def _decode_split(
     q_ptr,  # [B, H, D]
     k_cache,  # [N, bs, KVH, D]
     v_cache,
-    k_early,  # the caches as read before the wait (EARLY): k_cache / v_cache but in tests
-    v_early,
     block_tables,  # [B, max_blocks] int32
     seq_lens,  # [B] int32
     out_ptr,  # [B, H, D] (NUM_SPLITS == 1) or partial outputs [B, H, NUM_SPLITS, D] fp32
     lse_ptr,  # [B, H, NUM_SPLITS] fp32 (unused when NUM_SPLITS == 1)
     scale,
     window,  # > 0: a sliding-window layer's, only the last `window` tokens; 0: all
-    fresh,  # (EARLY) the last positions of a context read again after the wait
     stride_qb,
     stride_qh,
     stride_kn,
@@ -137,7 +105,6 @@ def _decode_split(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NATIVE: tl.constexpr,  # dots on the cache's bf16/fp16 values, not on fp32 copies
-    EARLY: tl.constexpr = False,  # the first tile's K/V read before the wait (see above)
     PDL: tl.constexpr = False,  # a programmatic dependent launch (kernels.set_dependent_launch)
 ):
     seq = tl.program_id(0)
@@ -147,28 +114,15 @@ def _decode_split(
     lo, hi, live = split_range(seq_len, window, split, NUM_SPLITS, BLOCK_N)
     if NUM_SPLITS > 1 and split >= live:
         return  # past the end: the combine reads nothing of this split
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HEAD_DIM
-    table = block_tables + seq * stride_bt
-    if EARLY:  # the first tile, cached by earlier steps but for its last `fresh` positions
-        n0 = lo + tl.arange(0, BLOCK_N)
-        n0_mask = n0 < hi
-        block0 = tl.load(table + n0 // BLOCK_SIZE, mask=n0_mask, other=0).to(tl.int64)
-        tok0 = n0 % BLOCK_SIZE
-        kv0_mask = n0_mask[:, None] & d_mask[None, :]
-        k0 = load_paged_kv(
-            k_early, block0, tok0, kvh, d, stride_kn, stride_kt, stride_kh, kv0_mask, NATIVE
-        )
-        v0 = load_paged_kv(
-            v_early, block0, tok0, kvh, d, stride_vn, stride_vt, stride_vh, kv0_mask, NATIVE
-        )
     if PDL:  # q and the step's K/V are the kernel before's writes
         gdc_wait()
         gdc_launch_dependents()
 
     g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + g
     g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
         mask=g_mask[:, None] & d_mask[None, :],
@@ -180,25 +134,8 @@ def _decode_split(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    first = lo
-    if EARLY:  # the step's own positions of the first tile read again, then that tile
-        again = n0_mask & (n0 >= seq_len - fresh)
-        again_mask = again[:, None] & d_mask[None, :]
-        k_new = load_paged_kv(
-            k_cache, block0, tok0, kvh, d, stride_kn, stride_kt, stride_kh, again_mask, NATIVE
-        )
-        v_new = load_paged_kv(
-            v_cache, block0, tok0, kvh, d, stride_vn, stride_vt, stride_vh, again_mask, NATIVE
-        )
-        k0 = tl.where(again[:, None], k_new, k0)
-        v0 = tl.where(again[:, None], v_new, v0)
-        s = _scores(q, k0, n0_mask, scale, DOT_PRECISION, NATIVE)
-        m_i = tl.max(s, 1)
-        p = tl.exp(s - m_i[:, None])
-        l_i = tl.sum(p, 1)
-        acc = weigh_values(p, v0, DOT_PRECISION, NATIVE)
-        first = lo + BLOCK_N
-    for start in range(first, hi, BLOCK_N):
+    table = block_tables + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < hi
         block = tl.load(table + n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -207,7 +144,10 @@ def _decode_split(
         k = load_paged_kv(
             k_cache, block, tok, kvh, d, stride_kn, stride_kt, stride_kh, kv_mask, NATIVE
         )
-        s = _scores(q, k, n_mask, scale, DOT_PRECISION, NATIVE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_G, BLOCK_N], fp32
+        if NATIVE:  # (else q was scaled before the dot)
+            s = s * scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -326,7 +266,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     native: bool | None = None,
-    early: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q·Kᵀ·scale)·V over each sequence's first seq_len cached tokens (with a
     `window`, only the last `window` of them); returns [B, H, D].
@@ -335,10 +274,6 @@ def paged_decode_attention(
     `num_splits` > 1 splits each context (or window) into that many parts (flash-decoding).
     `native`: dots on bf16/fp16 values as they are (default: `native_dots`); False runs
     them on fp32 copies (as before 2026-11-26; a benchmark's comparison).
-    `early`: (K, V) caches that the first tile is read from before the wait, whatever the
-    launch (a test's: the same caches but for the last `FRESH` positions, which the kernel
-    must read again from `k_cache` / `v_cache`). By default the caches themselves, as
-    programmatic dependents at most `Early.rows` sequences.
     """
     if native is None:
         native = native_dots(k_cache.dtype)
@@ -355,12 +290,6 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(d)
     block_g = max(16, triton.next_power_of_2(group))
     block_n = context_tile(block_d)
-    launch = dependent_launch()
-    if early is None and launch and b <= Early.rows:
-        early = (k_cache, v_cache)
-    k_early, v_early = early if early is not None else (k_cache, v_cache)
-    assert k_early.shape == k_cache.shape and k_early.stride() == k_cache.stride()
-    assert v_early.shape == v_cache.shape and v_early.stride() == v_cache.stride()
     common: dict[str, object] = dict(
         GROUP=group,
         BLOCK_G=block_g,
@@ -371,28 +300,27 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(k_cache.dtype),
         NATIVE=native,
-        EARLY=early is not None,
-        **launch,
+        **dependent_launch(),
     )
     kv_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
     if num_splits == 1:
         _decode_split[(b, kvh, 1)](
-            q, k_cache, v_cache, k_early, v_early, block_tables, seq_lens, out, out, scale,
-            window or 0, FRESH, q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
+            q, k_cache, v_cache, block_tables, seq_lens, out, out, scale, window or 0,
+            q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
             out.stride(0), out.stride(1), 0, **common,
         )  # fmt: skip
         return out
     parts = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, h, num_splits), dtype=torch.float32, device=q.device)
     _decode_split[(b, kvh, num_splits)](
-        q, k_cache, v_cache, k_early, v_early, block_tables, seq_lens, parts, lse, scale,
-        window or 0, FRESH, q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, seq_lens, parts, lse, scale, window or 0,
+        q.stride(0), q.stride(1), *kv_strides, block_tables.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), **common,
     )  # fmt: skip
     _combine[(b, h)](
         parts, lse, out, seq_lens, window or 0, parts.stride(0), parts.stride(1),
         parts.stride(2), out.stride(0), out.stride(1),
         NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, **launch,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, **dependent_launch(),
     )  # fmt: skip
     return out

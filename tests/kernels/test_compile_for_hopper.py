@@ -139,7 +139,7 @@ def build(fn, ptrs, ints, floats, consts, warps):
     sig = {**ptrs, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in floats
-             and n not in ("window", "fresh")}
+             and n != "window"}
     s = dict(sig) | {k: "constexpr" for k in consts}
     try:
         src = ASTSource(fn, s, constexprs=consts, attrs=attrs)
@@ -158,17 +158,16 @@ strides = ["stride_kn", "stride_kt", "stride_kh", "stride_vn", "stride_vt", "str
            "stride_bt"]
 bf16 = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16",
         "block_tables": "*i32", "seq_lens": "*i32"}
-early = {"k_early": "*bf16", "v_early": "*bf16"}
 done = {}
 for native in (True, False):
     for splits in (1, 33):  # the output written directly, or partials for the combine
         out = "*bf16" if splits == 1 else "*fp32"
-        asm = build(da._decode_split, bf16 | early | {"out_ptr": out, "lse_ptr": "*fp32"},
-                    ["window", "fresh", "stride_qb", "stride_qh", *strides, "stride_ob", "stride_oh",
+        asm = build(da._decode_split, bf16 | {"out_ptr": out, "lse_ptr": "*fp32"},
+                    ["window", "stride_qb", "stride_qh", *strides, "stride_ob", "stride_oh",
                      "stride_os"], ["scale"],
                     dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
                          BLOCK_N=64, NUM_SPLITS=splits, DOT_PRECISION="tf32", NATIVE=native,
-                         EARLY=splits > 1, PDL=False), 4)
+                         PDL=False), 4)
         done[f"decode native={native} splits={splits}"] = asm
     asm = build(pa._prefill, bf16 | {"q_start": "*i32", "out_ptr": "*bf16"},
                 ["window", "stride_qt", "stride_qh", *strides, "stride_ot", "stride_oh"],
@@ -235,16 +234,14 @@ kernels = {
                 "stride_vt", "stride_vh", "stride_cos"], ["eps"],
                dict(HALF=64, BLOCK_Q=16, BLOCK_K=8, BLOCK_HALF=64, HAS_NORM=True,
                     WRITE_CACHE=True)),
-    **{name: (da._decode_split,
-              dict(q_ptr=bf16, k_cache=bf16, v_cache=bf16, k_early=bf16, v_early=bf16,
-                   block_tables=i32, seq_lens=i32, out_ptr=f32, lse_ptr=f32),
-              ["window", "fresh", "stride_qb", "stride_qh", "stride_kn", "stride_kt",
-               "stride_kh", "stride_vn", "stride_vt", "stride_vh", "stride_bt",
-               "stride_ob", "stride_oh", "stride_os"], ["scale"],
-              dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
-                   BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True,
-                   EARLY=early))
-       for name, early in (("decode_split", False), ("decode_split_early", True))},
+    "decode_split": (da._decode_split,
+                     dict(q_ptr=bf16, k_cache=bf16, v_cache=bf16, block_tables=i32,
+                          seq_lens=i32, out_ptr=f32, lse_ptr=f32),
+                     ["window", "stride_qb", "stride_qh", "stride_kn", "stride_kt",
+                      "stride_kh", "stride_vn", "stride_vt", "stride_vh", "stride_bt",
+                      "stride_ob", "stride_oh", "stride_os"], ["scale"],
+                     dict(GROUP=2, BLOCK_G=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16,
+                          BLOCK_N=64, NUM_SPLITS=16, DOT_PRECISION="tf32", NATIVE=True)),
     "combine": (da._combine, dict(part_ptr=f32, lse_ptr=f32, out_ptr=bf16, seq_lens=i32),
                 ["window", "stride_pb", "stride_ph", "stride_ps", "stride_ob", "stride_oh"],
                 [], dict(NUM_HEADS=16, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, BLOCK_S=16,
@@ -269,11 +266,9 @@ def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote(
     and combine, and the norm wait (griddepcontrol.wait), then let the next launch start,
     before any store and before any load but of what no kernel of the step writes: the
     attention kernels' sequence length (staged by the host), the rotation's positions,
-    slots, angles and norm weights, and (a small batch's) first K/V tile of decode
-    attention, whose last positions it reads again after the wait (test_paged_attention);
-    without PDL neither instruction is there."""
+    slots, angles and norm weights; without PDL neither instruction is there."""
     compiled = _compile(_DEPENDENT)["compiled"]
-    assert len(compiled) == 10, compiled
+    assert len(compiled) == 8, compiled
     for name, found in compiled.items():
         if name.endswith("pdl=False"):
             assert found["gdc"] == [], (name, found)
@@ -283,7 +278,7 @@ def test_every_decode_kernel_waits_before_it_reads_what_the_kernel_before_wrote(
             "griddepcontrol.launch_dependents",
         ], (name, found)
         assert found["stores_before"] == 0, (name, found)
-        if name.startswith(("rotary", "decode_split_early")):
+        if name.startswith("rotary"):  # (its position, then the angles at it, ...)
             assert found["loads_before"] > 1, (name, found)
         else:
             attention = name.startswith(("decode_split", "combine"))

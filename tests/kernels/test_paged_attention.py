@@ -10,7 +10,6 @@ from tests.kernels.reference import DEVICE, ON_GPU, TOL, PagedCache, attend
 pytest.importorskip("triton")
 
 from compute_plane.kernels.decode_attention import (
-    FRESH,
     choose_num_splits,
     paged_decode_attention,
 )
@@ -92,73 +91,6 @@ def test_more_splits_than_blocks_of_context(
         first = max(0, n - window) if window else 0
         expected = attend(q[i], k[first:], v[first:], 0.125)
         assert (out[i].double() - expected).abs().max().item() <= 1e-5, (i, n)
-
-
-def _poison_positions(
-    cache: PagedCache, tables: torch.Tensor, picks: list[list[int]]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the caches with NaN at the slots of positions picks[i] of sequence i."""
-    k, v = cache.k.clone(), cache.v.clone()
-    bs = cache.block_size
-    for i, positions in enumerate(picks):
-        for t in positions:
-            block = int(tables[i, t // bs])
-            k[block, t % bs], v[block, t % bs] = float("nan"), float("nan")
-    return k, v
-
-
-# (context lengths, splits, window): one tile, tiles across a split, a context shorter than
-# FRESH, the step's positions across a tile boundary (tiles of 16 in the interpreter)
-EARLY_CASES = [
-    pytest.param([1, 5, 16, 17, 40, 70], 1, None, id="one-split"),
-    pytest.param([1, 5, 17, 40, 70, 93], 3, None, id="split3"),
-    pytest.param([1, 9, 40, 70], 12, None, id="split12-past-the-end"),
-    pytest.param([3, 40, 70], 3, 20, id="split3-window20"),
-]
-
-
-@pytest.mark.parametrize(("lens", "splits", "window"), EARLY_CASES)
-def test_decode_reads_the_steps_own_positions_again_after_the_wait(
-    lens: list[int], splits: int, window: int | None
-) -> None:
-    """A small batch launched as programmatic dependents reads its first tile of K/V before
-    it waits for the kernel that writes the step's K/V: the caches it reads there (here
-    copies) hold NaN at each context's last FRESH positions, which the kernel must read
-    again from the caches themselves after the wait. NaN at an older position of a first
-    tile shows that the early read is the one used."""
-    cache = PagedCache(40, 8, 2, 64, torch.float32, seed=11)
-    tables = cache.tables(lens)
-    q = torch.randn(len(lens), 4, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    lens_t = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-    fresh = [list(range(max(0, n - FRESH), n)) for n in lens]
-    early = _poison_positions(cache, tables, fresh)
-    out = paged_decode_attention(
-        q, cache.k, cache.v, tables, lens_t, 0.125, num_splits=splits, window=window,
-        early=early,
-    )  # fmt: skip
-    for i, n in enumerate(lens):
-        k, v = cache.context(tables[i], n)
-        first = max(0, n - window) if window else 0
-        expected = attend(q[i], k[first:], v[first:], 0.125)
-        assert (out[i].double() - expected).abs().max().item() <= 1e-5, (i, n)
-    # the first position a context's first tile holds, when it is older than the last FRESH
-    old = [[max(0, n - window) if window else 0] for n in lens]
-    old = [o if o[0] < n - FRESH else [] for o, n in zip(old, lens, strict=True)]
-    assert any(old), "a case with an old position in a first tile"
-    out = paged_decode_attention(
-        q, cache.k, cache.v, tables, lens_t, 0.125, num_splits=splits, window=window,
-        early=_poison_positions(cache, tables, old),
-    )  # fmt: skip
-    for i, o in enumerate(old):
-        assert bool(out[i].isnan().any()) == bool(o), (i, lens[i])
-
-
-def test_fresh_covers_a_speculative_catch_up() -> None:
-    """A draft's catch-up of up to CATCH_UP tokens runs as one-token rows of one sequence in
-    one step: each row's context ends in positions that the same step wrote."""
-    from compute_plane.speculative import CATCH_UP
-
-    assert CATCH_UP + 1 <= FRESH
 
 
 def test_split_count_heuristic() -> None:
