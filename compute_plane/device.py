@@ -11,9 +11,11 @@ log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
-    """auto = the first CUDA device if torch sees one, else the CPU."""
+    """auto = the current CUDA device (with its index) if torch sees one, else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(
@@ -30,8 +32,8 @@ def use_device(device: torch.device) -> None:
     tensors' device, but Triton launches, CUDA graph capture, events and CuPy go to the
     current device, which CUDA keeps per thread (device 0 until set): without this, a
     compute plane on `cuda:1` would launch its kernels on device 0."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # (torch 2.11 refuses a CUDA device without an index here)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -25,6 +25,23 @@ def test_use_device_sets_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == [torch.device("cuda", 1)]
 
 
+def test_a_cuda_device_without_an_index_is_the_current_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch 2.11's set_device refuses `cuda` without an index (a lent H200's start-up
+    failed so on 2026-11-27): use_device passes the current device's index instead, and
+    `--device auto` resolves to an indexed device."""
+    from compute_plane.device import resolve_device
+
+    calls: list[object] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    use_device(torch.device("cuda"))
+    assert calls == [2]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda", 2)
+
+
 def test_the_engine_makes_its_device_current(
     smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
