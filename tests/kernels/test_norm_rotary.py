@@ -132,7 +132,11 @@ def test_silu_and_mul(inter: int, dtype: torch.dtype) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     torch_ops = (torch.nn.functional.silu(gate) * up).double()  # what the torch path computes
     rel = ((out.double() - torch_ops).abs() / torch_ops.abs().clamp_min(1e-3)).max().item()
-    assert rel <= 4 * ULP[dtype], f"vs F.silu(gate) * up: relative {rel:.2e}"
+    # On a GPU tl.exp is ex2.approx of g·log2(e): that product's rounding alone is ~1e-6 of
+    # the exponent at |g| ~ 16, ~5.5 ulp of exp(-g) in fp32, which torch's expf does not
+    # have (4.7-4.8 ulp seen on an H200, 2026-11-27); in fp16/bf16 the rounding to the
+    # dtype dominates.
+    assert rel <= 8 * ULP[dtype], f"vs F.silu(gate) * up: relative {rel:.2e}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
