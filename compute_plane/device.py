@@ -13,9 +13,7 @@ log = logging.getLogger(__name__)
 def resolve_device(name: str) -> torch.device:
     """auto = the current CUDA device (with its index) if torch sees one, else the CPU."""
     if name == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        return torch.device("cuda", torch.cuda.current_device())
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(

@@ -117,9 +117,8 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
     steps)
       # the engine's start-up choice of the small-step linears and the decode steps alone
       # (benchmarks/device/steps.py: each way of launching): a short call after a kernel
-      # change; $BASE_TREE: an older commit's
-      # tree copied into this one (`git archive REV | tar -x -C .base`, carried), timed
-      # after this tree in the same call, in a process of its own
+      # change; $BASE_TREE: an older commit's tree copied into this one (`git archive REV |
+      # tar -x -C .base`, carried), timed after this tree in the same call, in its own process
       for tree in . ${BASE_TREE:-}; do
         label=$([ "$tree" = . ] && echo head || basename "$tree")
         TRITON_PRINT_AUTOTUNING=1 PYTHONPATH="/tmp/site:$(cd "$tree" && pwd)" \
