@@ -60,6 +60,14 @@ class ComputeConfig(GrpcServerConfig):
         default=True,
         metadata={"help": "CUDA: replay decode steps from CUDA graphs captured at start-up"},
     )
+    piecewise_graphs: int = field(
+        default=512,
+        metadata={
+            "help": "CUDA, Triton path: other steps (prefill chunks, mixed prefill and "
+            "decode) of at most this many tokens replay CUDA graphs captured at start-up "
+            "between their attentions, which run eagerly (0: off; needs --cuda-graphs)"
+        },
+    )
     fused_linear: str = field(
         default="auto",
         metadata={
@@ -173,6 +181,8 @@ class ComputeConfig(GrpcServerConfig):
                 "max_num_batched_tokens and max_num_seqs must be >= 1, got "
                 f"{self.max_num_batched_tokens} and {self.max_num_seqs}"
             )
+        if self.piecewise_graphs < 0:
+            raise ValueError(f"piecewise_graphs must be >= 0, got {self.piecewise_graphs}")
         if not 0 <= self.max_speculative_tokens <= 64:
             raise ValueError(
                 f"max_speculative_tokens must be in 0..64, got {self.max_speculative_tokens}"

@@ -28,7 +28,7 @@ from compute_plane import metrics, quant
 from compute_plane.attention import AttentionMetadata
 from compute_plane.attention.factory import model_kernels, resolve_attention_backend
 from compute_plane.config import ComputeConfig
-from compute_plane.cuda_graphs import DecodeGraphs
+from compute_plane.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from compute_plane.device import (
     resolve_device,
     resolve_dtype,
@@ -179,9 +179,21 @@ class Engine:
             else None
         )
         tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
-        self.runner = ModelRunner(
-            self.model, self.kv_cache, self.graphs, tokens, seqs, self.max_model_len, self.device
+        # the other steps' graphs, cut at attention (never larger than a step may be)
+        self.pieces = (
+            PiecewiseGraphs(
+                self.model,
+                self.kv_cache.layers,
+                min(config.piecewise_graphs, tokens),
+                self.block_size,
+            )
+            if self.graphs is not None and config.piecewise_graphs > 0
+            else None
         )
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.graphs, tokens, seqs, self.max_model_len, self.device,
+            pieces=self.pieces,
+        )  # fmt: skip
         self.drafter = None
         if draft is not None:
             model, name = draft
@@ -388,6 +400,8 @@ class Engine:
         self.model.logits(hidden)
         if self.graphs is not None:
             self.graphs.capture()
+        if self.pieces is not None:
+            self.pieces.capture()
         _return_freed_memory()  # the caller has dropped the loaded weights by now
 
     def _set_dependent_launch(self, backend: str) -> bool:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from compute_plane.attention import AttentionMetadata
-from compute_plane.cuda_graphs import DecodeGraphs
+from compute_plane.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from compute_plane.kv_cache import KVCache
 from compute_plane.model import Model
 from compute_plane.requests import RequestState, Row
@@ -162,10 +162,15 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         staged: bool | None = None,
+        pieces: PiecewiseGraphs | None = None,
     ) -> None:
         """`staged`: copy each step's inputs into device buffers (default: off the CPU;
-        tests turn it on there to check the layout)."""
+        tests turn it on there to check the layout). `pieces`: the piecewise graphs, for
+        steps `graphs` does not take."""
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
+        self.pieces = pieces
+        # forwards run so far by path: decode graph, piecewise graphs, eager
+        self.forwards = {"decode_graph": 0, "piecewise": 0, "eager": 0}
         self.block_size = kv_cache.block_size
         self.device = device
         self._pin = self.device.type == "cuda"
@@ -360,18 +365,15 @@ class ModelRunner:
         return out
 
     def run(self, rows: list[Row], capture_logits: bool = False, defer: bool = False) -> StepOutput:
-        """Prepare, forward (a CUDA graph where one fits), sample the rows that end.
+        """Prepare, forward (a decode CUDA graph where one fits, else piecewise graphs
+        where a size fits, else eagerly), sample the rows that end.
         `defer`: unless a row verifies a proposal, leave the samples on the device
         (StepOutput.deferred; their requests' last tokens are PENDING to later steps)."""
         tp = time.perf_counter_ns()
         x = self.prepare(rows)
         start = self._timing_event() if defer else None
         t0 = time.perf_counter_ns()  # forward_ns: from the inputs' copy to the device
-        graph = self.graphs.padded_size(x.meta) if self.graphs is not None else None
-        if self.graphs is not None and graph is not None:
-            hidden = self.graphs.run(graph, x.input_ids, x.positions, x.meta)
-        else:
-            hidden = self.model.forward(x.input_ids, x.positions, x.meta, self.kv_cache.layers)
+        hidden = self._forward(x)
         every = None
         if capture_logits:
             every = list(self.model.logits(hidden).split([r.count for r in rows]))
@@ -398,6 +400,17 @@ class ModelRunner:
         if start is not None and mid is not None and end is not None:
             out.device_times = (start, mid, end)
         return out
+
+    def _forward(self, x: StepInputs) -> torch.Tensor:
+        if self.graphs is not None and (b := self.graphs.padded_size(x.meta)) is not None:
+            self.forwards["decode_graph"] += 1
+            return self.graphs.run(b, x.input_ids, x.positions, x.meta)
+        n = int(x.input_ids.shape[0])
+        if self.pieces is not None and (t := self.pieces.padded_size(n)) is not None:
+            self.forwards["piecewise"] += 1
+            return self.pieces.run(t, x.input_ids, x.positions, x.meta)
+        self.forwards["eager"] += 1
+        return self.model.forward(x.input_ids, x.positions, x.meta, self.kv_cache.layers)
 
     def _timing_event(self) -> torch.cuda.Event | None:
         """A timing event recorded on the device's stream now (None off CUDA)."""

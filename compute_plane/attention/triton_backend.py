@@ -69,12 +69,15 @@ class TritonPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         window: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`forward` without the KV write (the rotary kernel stored them: rotate_into_cache)."""
+        """`forward` without the KV write (the rotary kernel stored them: rotate_into_cache);
+        into `out` where given (piecewise CUDA graphs: the buffer their next piece reads)."""
         lens = meta.seq_lens_tensor
         assert lens is not None, "prepare() first"
         q = q.contiguous()
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         d = meta.num_decodes
         if d:
             paged_decode_attention(

@@ -212,3 +212,55 @@ def test_block_tables_grow_past_their_columns() -> None:
     st = RequestState([1, 2, 3], 3, 0, [7, 8, 9, 10, 11], SamplingSpec())
     row = tables.row("a", st)
     assert tables.rows.shape[1] >= 5 and tables.rows[row, :5].tolist() == [7, 8, 9, 10, 11]
+
+
+class _PiecesSpy:
+    """Stands in for PiecewiseGraphs (CUDA only) in a test of the runner's routing: it
+    records the sizes it is asked to replay and runs the forward eagerly."""
+
+    def __init__(self, engine: Engine, sizes: list[int]) -> None:
+        self.engine, self.sizes, self.replayed = engine, sizes, []  # type: ignore[var-annotated]
+
+    def padded_size(self, n: int) -> int | None:
+        return next((t for t in self.sizes if t >= n), None)
+
+    def run(self, t, input_ids, positions, meta):  # type: ignore[no-untyped-def]
+        self.replayed.append((t, int(input_ids.shape[0]), meta.num_decodes, len(meta.seq_lens)))
+        return self.engine.model.forward(input_ids, positions, meta, self.engine.kv_cache.layers)
+
+
+def test_steps_go_to_the_piecewise_graphs_by_token_count(tiny) -> None:  # type: ignore[no-untyped-def]
+    """With no decode graphs, a step of n tokens replays the smallest piecewise size >= n
+    (a mixed step: its decodes and chunks), and one larger than every size runs eagerly;
+    the logits are transformers' either way."""
+    engine, ref = tiny
+    spy = _PiecesSpy(engine, [8, 16])
+    runner = ModelRunner(
+        engine.model, engine.kv_cache, None, 32, 4, engine.max_model_len, CPU,
+        pieces=spy,  # type: ignore[arg-type]
+    )  # fmt: skip
+    reqs = Requests(engine, seed=3)
+    a, b = reqs.new("a", 20), reqs.new("b", 6)
+    runner.run([a], capture_logits=True)  # 20 tokens: eager
+    out = runner.run([reqs.decode("a", 5), b], capture_logits=True)  # 1 + 6: size 8
+    c = reqs.new("c", 9)
+    last = runner.run([reqs.decode("a", 7), reqs.decode("b", 8), c], capture_logits=True)
+    assert spy.replayed == [(8, 7, 1, 2), (16, 11, 2, 3)]
+    assert runner.forwards == {"decode_graph": 0, "piecewise": 2, "eager": 1}
+    assert last.logits_by_row is not None and out.logits_by_row is not None
+    for rid, ours in (("a", last.logits_by_row[0]), ("c", last.logits_by_row[2])):
+        expected = _reference(ref, reqs.states[rid].token_ids)[-ours.shape[0] :]
+        err = (ours - expected).abs().max().item()
+        assert err <= TOL, f"{rid}: max abs logit difference {err:.2e}"
+
+
+def test_piecewise_graph_sizes_and_their_flag() -> None:
+    from compute_plane.cuda_graphs import graph_batch_sizes, graph_token_sizes
+
+    assert graph_token_sizes(512) == [16, 32, 64, 128, 256, 512]
+    assert graph_token_sizes(300) == [16, 32, 64, 128, 256, 300]
+    assert graph_token_sizes(16) == [16] and graph_token_sizes(10) == [10]
+    assert graph_token_sizes(0) == []
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    with pytest.raises(ValueError, match="piecewise_graphs must be >= 0"):
+        ComputeConfig(model="m", piecewise_graphs=-1)

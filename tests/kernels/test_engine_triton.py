@@ -74,8 +74,14 @@ def tiny(request, tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 def _engine(
-    path: Path, backend: str, staged: bool = False, fused_linear: str = "off", pdl: str = "off"
+    path: Path,
+    backend: str,
+    staged: bool = False,
+    fused_linear: str = "off",
+    pdl: str = "off",
+    graphs: bool = False,
 ) -> Engine:
+    """`graphs` (CUDA): decode graphs up to 8 sequences, piecewise graphs up to 16 tokens."""
     cfg = ComputeConfig(
         model=str(path),
         device=DEVICE.type,
@@ -84,7 +90,9 @@ def _engine(
         block_size=BLOCK,
         kv_cache_bytes=4 << 20,
         gpu_memory_utilization=0.05,  # on a GPU: a small pool, as on the CPU
-        cuda_graphs=False,
+        cuda_graphs=graphs,
+        max_num_seqs=8,
+        piecewise_graphs=16,
         fused_linear=fused_linear,
         pdl=pdl,
     )
@@ -132,31 +140,49 @@ HOPPER = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("staged", "fused_linear", "pdl"),
+    ("staged", "fused_linear", "pdl", "graphs"),
     [
-        (False, "off", "off"),
-        (True, "off", "off"),
-        (True, "on", "off"),
-        pytest.param(True, "on", "on", marks=[*ON_GPU, HOPPER], id="dependent-launches"),
+        (False, "off", "off", False),
+        (True, "off", "off", False),
+        (True, "on", "off", False),
+        pytest.param(True, "on", "on", False, marks=[*ON_GPU, HOPPER]),
+        pytest.param(False, "off", "off", True, marks=ON_GPU),
+        pytest.param(False, "on", "auto", True, marks=ON_GPU),
     ],
-    ids=["host-views", "staged", "fused-linears", "dependent-launches"],
+    ids=[
+        "host-views",
+        "staged",
+        "fused-linears",
+        "dependent-launches",
+        "cuda-graphs",
+        "cuda-graphs-fused",
+    ],
 )
 def test_engine_logits_equal_the_torch_backend(
-    tiny, staged: bool, fused_linear: str, pdl: str
+    tiny, staged: bool, fused_linear: str, pdl: str, graphs: bool
 ) -> None:  # type: ignore[no-untyped-def]
     """With fused linears on, every step here (at most 11 tokens) runs a layer's norms
     and SiLU inside its projections' kernels (kernels/fused_linear.py). With `--pdl on`
     (a Hopper GPU) every Triton kernel of a step is a programmatic dependent launch: a
-    read before its wait for the kernel before would change the logits."""
+    read before its wait for the kernel before would change the logits. With CUDA graphs
+    (a GPU) the decode steps replay decode graphs and the others (chunks, the mixed
+    step, the prefix hit) piecewise graphs at 16 tokens, attention eager between them."""
     path, ref = tiny
-    triton_engine = _engine(path, "triton", staged, fused_linear, pdl)
+    triton_engine = _engine(path, "triton", staged, fused_linear, pdl, graphs)
     torch_engine = _engine(path, "torch")
+    if graphs:
+        assert triton_engine.graphs is not None and triton_engine.pieces is not None
+        assert triton_engine.pieces.sizes == [16]
+        assert len(triton_engine.pieces.pieces[16]) == triton_engine.model_config.num_layers + 1
     assert triton_engine.dependent_launch == (pdl == "on")
     assert triton_engine.model.fused_rows == (16 if fused_linear == "on" else 0)
     assert triton_engine.describe().attention_backend == "triton"
     assert torch_engine.describe().attention_backend == "torch"
     tokens = _drive(triton_engine)
     assert tokens == _drive(torch_engine)
+    if graphs:  # 2 chunks, the mixed step, the prefix hit; 2 steps of 2 decodes
+        forwards = triton_engine.runner.forwards
+        assert forwards == {"piecewise": 4, "decode_graph": 2, "eager": 0}, forwards
     for rid in ("a", "b", "c"):
         ours = torch.cat(triton_engine.captured_logits[rid])
         theirs = torch.cat(torch_engine.captured_logits[rid])
