@@ -3,7 +3,7 @@
     python -m benchmarks.gpu                       # writes docs/perf/gpu.json
     python -m benchmarks.gpu --hf                  # also HF transformers generate, same workload
 
-Four parts, each against what the hardware allows:
+Five parts, each against what the hardware allows:
 
 1. **Decode attention kernel**: bytes of K/V it must read / its time, against the
    device-to-device copy bandwidth measured in the same run (the practical peak).
@@ -29,7 +29,14 @@ Four parts, each against what the hardware allows:
    of 64 tokens, then 16 more one a step) against bf16's: max abs difference over the max |logit|, the
    stated tolerance being 0.1 for fp8 and 0.02 for int8 (`logits_ok`).
 
-The parts run in that order (`--parts`, 4 being `quantized`); the report is written after
+5. **Piecewise CUDA graphs** (`--parts mixed`, not run by default): the steps the decode
+   graphs leave (a prefill chunk, alone or with decodes at context 512, up to 2048
+   tokens) eagerly and by the piecewise graphs, back to back and one at a time, with the
+   largest difference of their hidden states; then the workload in process with graphs
+   at every size and with none, each engine on its own, its forwards timed by path
+   (`mixed.<all_sizes|off>`).
+
+The parts run in that order (`--parts`, 4 being `quantized`, 5 `mixed`); the report is written after
 each, and one that raises is recorded under `errors` while the next runs, so one call on
 a lent GPU keeps all it could measure.
 
@@ -472,6 +479,157 @@ def _quantized_kind(
     return row
 
 
+# (decodes at context 512, new tokens of one prefill chunk): steps the decode graphs do not
+# take, from a lone prompt to a full step of max_num_batched_tokens (2048)
+MIXED_SHAPES = [
+    (0, 16), (1, 63), (0, 128), (8, 120), (1, 255), (32, 224), (1, 511), (64, 448),
+    (128, 384), (256, 256), (1, 1023), (256, 768), (0, 2048), (256, 1792),
+]  # fmt: skip
+
+
+def mixed_steps(engine: Any, ctx: int = 512, iters: int = 20) -> list[dict[str, Any]]:
+    """Per MIXED_SHAPES step: ms per step, steps run back to back (so a step costs its
+    host launches or its device time, whichever is longer, as in a busy engine), eagerly
+    and by the piecewise graphs; host_ms: the time the host took to launch them (the
+    device still busy after); alone_ms: each step launched and waited for on its own;
+    and the largest difference of the hidden states over the
+    largest |value|. The cache holds whatever it holds: attention's cost does not
+    depend on the values."""
+    from compute_plane.attention import AttentionMetadata
+
+    pieces = engine.pieces
+    assert pieces is not None, "piecewise graphs are off"
+    bs, dev = engine.block_size, engine.device
+    kv = engine.kv_cache.layers
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rows = []
+    for d, c in MIXED_SHAPES:
+        n = d + c
+        if n > engine.config.max_num_batched_tokens:
+            continue
+        width = max(-(-ctx // bs), -(-c // bs))
+        seqs = d + (1 if c else 0)
+        tables = (1 + torch.arange(seqs * width, dtype=torch.int32)).view(seqs, width)
+        assert seqs * width < engine.num_blocks, "the pool is too small for the shape"
+        positions = [ctx - 1] * d + list(range(c))
+        slots = [int(tables[i, p // bs]) * bs + p % bs for i, p in enumerate(positions[:d])]
+        slots += [int(tables[d, p // bs]) * bs + p % bs for p in range(c)]
+        seq_lens = [ctx] * d + ([c] if c else [])
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=seq_lens,
+            query_lens=[1] * d + ([c] if c else []),
+            num_decodes=d,
+            block_size=bs,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, c], dtype=torch.int32, device=dev) if c else None,
+        )
+        ids = torch.randint(3, engine.model_config.vocab_size, (n,), generator=g).to(dev)
+        pos = torch.tensor(positions, device=dev)
+        t = pieces.padded_size(n)
+        ways: dict[str, Callable[[], torch.Tensor]] = {
+            "eager": functools.partial(engine.model.forward, ids, pos, meta, kv)
+        }
+        if t is not None:
+            ways["piecewise"] = functools.partial(pieces.run, t, ids, pos, meta)
+        row: dict[str, Any] = {"decodes": d, "chunk": c, "tokens": n, "padded_to": t}
+        outs = {}
+        for way, fn in ways.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            launched = time.perf_counter()
+            torch.cuda.synchronize()
+            done = time.perf_counter()
+            row[f"{way}_ms"] = round((done - started) * 1e3 / iters, 3)
+            row[f"{way}_host_ms"] = round((launched - started) * 1e3 / iters, 3)
+            alone = 0.0  # each step on its own: launched, then waited for
+            for _ in range(iters):
+                started = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                alone += time.perf_counter() - started
+            row[f"{way}_alone_ms"] = round(alone * 1e3 / iters, 3)
+            outs[way] = fn().float().clone()
+        if "piecewise" in outs:
+            row["piecewise_vs_eager"] = round(row["eager_ms"] / row["piecewise_ms"], 3)
+            diff = (outs["piecewise"] - outs["eager"]).abs().max().item()
+            row["hidden_diff_of_max"] = round(diff / outs["eager"].abs().max().item(), 5)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def mixed(folder: Path, work: Any, report: dict[str, Any], save: Callable[[], None]) -> None:
+    """The piecewise graphs at every size up to max_num_batched_tokens, and none
+    (`--piecewise-graphs 0`), each in an engine of its own (`_mixed_row`); into
+    report["mixed"]."""
+    out = report["mixed"] = {}
+    for key, sizes in (("all_sizes", 2048), ("off", 0)):
+        out[key] = {"piecewise_graphs": sizes}
+        _mixed_row(folder, work, out[key], save)
+        print(key, json.dumps({k: v for k, v in out[key].items() if k != "steps"}), flush=True)
+        save()
+        release_memory()  # (nothing of the engine is referenced any more)
+
+
+def _mixed_row(folder: Path, work: Any, row: dict[str, Any], save: Callable[[], None]) -> None:
+    """An engine with row["piecewise_graphs"]: its start-up and capture times, the steps
+    of MIXED_SHAPES each way (`mixed_steps`, where it has the graphs); then the
+    256-request workload in process, first with each forward waited for and timed by the
+    path it took (`forwards`: count, ms in all, ms each; its warm-up round included:
+    the first process to meet a shape compiles its kernels there), then plainly, warm
+    (`output_tok_s`)."""
+    from benchmarks.offline import run_ours
+    from compute_plane.config import ComputeConfig
+    from hetero_infer.offline import OfflineLLM
+
+    compute = ComputeConfig(
+        model=str(folder), metrics_port=-1, piecewise_graphs=row["piecewise_graphs"]
+    )
+    started = time.perf_counter()
+    llm = OfflineLLM(str(folder), compute=compute)
+    row["engine_start_s"] = round(time.perf_counter() - started, 1)
+    engine = llm.engine
+    if engine.pieces is not None:
+        row["piecewise_capture_s"] = round(engine.pieces.capture_s, 1)
+        row["steps"] = mixed_steps(engine)
+        save()
+    runner = engine.runner
+    plain = runner._forward
+    spent = dict.fromkeys(runner.forwards, 0.0)
+
+    def timed(x: Any) -> Any:
+        before = dict(runner.forwards)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        hidden = plain(x)
+        torch.cuda.synchronize()
+        path = next(k for k, v in runner.forwards.items() if v != before[k])
+        spent[path] += time.perf_counter() - started
+        return hidden
+
+    setattr(runner, "_forward", timed)  # noqa: B010 (a method of this instance)
+    before = dict(runner.forwards)
+    fig = run_ours(llm, work, warmup=len(work))
+    del runner._forward  # the class's again
+    row["timed_output_tok_s"] = fig["output_tokens_per_s"]
+    row["forwards"] = {
+        k: {
+            "count": v - before[k],
+            "ms": round(spent[k] * 1e3, 1),
+            "ms_each": round(spent[k] * 1e3 / max(v - before[k], 1), 3),
+        }
+        for k, v in runner.forwards.items()
+    }
+    fig = run_ours(llm, work, warmup=1)  # (the round before warmed it up)
+    row["output_tok_s"] = fig["output_tokens_per_s"]
+
+
 def _error_line() -> str:
     """The exception being handled, as its last traceback line."""
     return "".join(traceback.format_exception_only(*sys.exc_info()[:2])).strip()
@@ -492,7 +650,9 @@ PARTS = {
     "engine": ("engine_start_s", "engine", "decode_step", "in_process"),
     "grpc": (*(key for key, _, _ in GRPC_PATHS), "free_memory_GB_before_grpc"),
     "quantized": ("quantized",),
+    "mixed": ("mixed",),
 }
+DEFAULT_PARTS = [p for p in PARTS if p != "mixed"]  # (mixed: a device call of its own)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -506,11 +666,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--quantizations", default="fp8,int8", help="compared with bf16 ('' to skip)")
     ap.add_argument(
         "--parts",
-        default=",".join(PARTS),
+        default=",".join(DEFAULT_PARTS),
         help="which to run, always in this order (a subset updates the report at --out in\n"
         "place):\n"
         "kernels (attention kernels, copy bandwidth), engine (decode steps, throughput in\n"
-        "process), grpc (the gRPC paths), quantized (FP8/INT8 against bf16)",
+        "process), grpc (the gRPC paths), quantized (FP8/INT8 against bf16), mixed\n"
+        "(piecewise graphs: other steps each way, throughput with and without; only\n"
+        "when named)",
     )
     ap.add_argument(
         "--path-timeout",
@@ -537,7 +699,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from hetero_infer.offline import OfflineLLM
 
     report: dict[str, Any] = {}
-    if set(parts) != set(PARTS) and args.out.is_file():  # a subset: update the last report
+    if set(parts) != set(DEFAULT_PARTS) and args.out.is_file():  # update the last report
         report = json.loads(args.out.read_text())
     report |= {"benchmark": "gpu", "machine": machine()}
     if not isinstance(report.get("throughput"), dict):  # (a list before 2026-11-26)
@@ -650,6 +812,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         quantized(folder, work, peak, args.quantizations.split(","), report["quantized"], save)
         if failed_kinds := [k for k, row in report["quantized"].items() if "error" in row]:
             errors["quantized"] = f"see quantized.<{'|'.join(failed_kinds)}>.error"
+    if "mixed" in parts:
+        try:
+            mixed(folder, work, report, save)
+        except Exception:
+            failed("mixed")
     if args.hf:
         hf = run_hf(str(folder), work, args.hf_batch_size)
         throughput["hf"] = hf

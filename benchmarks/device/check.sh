@@ -33,6 +33,9 @@
 #           thread and on the event loop (--engine-thread on/off, alternated), into
 #           $OUT/compute_host_grpc_gpu.json (capped: $HOST_TIMEOUT, 240; 4 server starts,
 #           the report written at the end)
+#   mixed   not in `all`: python -m benchmarks.gpu --parts mixed, the piecewise CUDA graphs
+#           (steps with prefill chunks, each way; the workload in process with and
+#           without them) into $OUT/gpu_mixed.json (capped: $MIXED_TIMEOUT, 240)
 #   steps   not in `all`: the engine's start-up choice of the small-step linears
 #           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256
 #           each way (benchmarks/device/steps.py), into $OUT/steps_head.json; with
@@ -78,6 +81,13 @@ for stage in "${stages[@]}"; do
         --parts "${BENCH_PARTS:-kernels,engine,grpc}" --path-timeout 150 ${BENCH_ARGS:-} \
         --out "$OUT/gpu.json" 2>&1 \
         | tee -a "$OUT/check.log"
+      rc=$((rc | PIPESTATUS[0]))
+      ;;
+    mixed)
+      # the piecewise graphs: the steps the decode graphs leave each way, the workload in
+      # process with every size, none and the default sizes (`benchmarks.gpu --parts mixed`)
+      timeout -s INT -k 30 "${MIXED_TIMEOUT:-240}" python3 -m benchmarks.gpu --parts mixed \
+        --out "$OUT/gpu_mixed.json" 2>&1 | tee -a "$OUT/check.log"
       rc=$((rc | PIPESTATUS[0]))
       ;;
     quant)
