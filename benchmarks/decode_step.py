@@ -102,14 +102,7 @@ def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int
     tokens, pos = torch.randint(100, 1000, (b,)), torch.full((b,), c - 1)
 
     def step() -> None:  # the metadata is built per step, as the engine does
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            block_tables=tables,
-            seq_lens=[c] * b,
-            query_lens=[1] * b,
-            num_decodes=b,
-            block_size=BS,
-        )
+        meta = AttentionMetadata.decodes(slots, tables, [c] * b, BS)
         model.logits(model.forward(tokens, pos, meta, cache.layers))
 
     def timed() -> float:

@@ -51,10 +51,10 @@ from compute_plane.model import Model
 log = logging.getLogger(__name__)
 
 
-def graph_token_sizes(max_tokens: int, smallest: int = 16) -> list[int]:
-    """The piecewise graphs' token counts: powers of two from `smallest`, then max_tokens."""
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """The piecewise graphs' token counts: powers of two from 16, then max_tokens."""
     sizes = []
-    t = smallest
+    t = 16
     while t < max_tokens:
         sizes.append(t)
         t *= 2
@@ -94,14 +94,12 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[:b],
-            block_tables=self.tables[:b],
-            seq_lens=[self.max_model_len] * b,  # host view: sizes the split-K count
-            query_lens=[1] * b,
-            num_decodes=b,
-            block_size=self.block_size,
-            seq_lens_tensor=self.seq_lens[:b],
+        return AttentionMetadata.decodes(
+            self.slots[:b],
+            self.tables[:b],
+            [self.max_model_len] * b,  # host view: sizes the split-K count
+            self.block_size,
+            self.seq_lens[:b],
         )
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -207,14 +205,8 @@ class PiecewiseGraphs:
         self.capture_s = 0.0  # how long capture() took (warm-up forwards included)
 
     def _capture_meta(self, t: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slots[:t],
-            block_tables=self._tables[:t],
-            seq_lens=[1] * t,
-            query_lens=[1] * t,
-            num_decodes=t,
-            block_size=self.block_size,
-            seq_lens_tensor=self._lens[:t],
+        return AttentionMetadata.decodes(
+            self.slots[:t], self._tables[:t], [1] * t, self.block_size, self._lens[:t]
         )
 
     def capture(self) -> None:

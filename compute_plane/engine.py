@@ -386,13 +386,11 @@ class Engine:
 
     def warmup(self) -> None:
         """One tiny forward so the first real step does not pay for lazy initialisation."""
-        meta = AttentionMetadata(
-            slot_mapping=torch.zeros(1, dtype=torch.long, device=self.device),
-            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
-            seq_lens=[1],
-            query_lens=[1],
-            num_decodes=1,
-            block_size=self.block_size,
+        meta = AttentionMetadata.decodes(
+            torch.zeros(1, dtype=torch.long, device=self.device),
+            torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            [1],
+            self.block_size,
         )
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         self._choose_fused_rows()

@@ -46,6 +46,27 @@ class AttentionMetadata:
     # `window` positions, derived on first use in a step (attention.torch_backend).
     windowed: dict[int, object] = field(default_factory=dict)
 
+    @classmethod
+    def decodes(
+        cls,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+        block_size: int,
+        seq_lens_tensor: torch.Tensor | None = None,
+    ) -> AttentionMetadata:
+        """A step of decodes only: one query token per sequence."""
+        n = len(seq_lens)
+        return cls(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_lens=[1] * n,
+            num_decodes=n,
+            block_size=block_size,
+            seq_lens_tensor=seq_lens_tensor,
+        )
+
 
 class AttentionBackend(Protocol):
     """What the model calls: prepare() once per step, forward() once per layer."""
