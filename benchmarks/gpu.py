@@ -597,6 +597,7 @@ def _mixed_row(folder: Path, work: Any, row: dict[str, Any], save: Callable[[], 
     engine = llm.engine
     if engine.pieces is not None:
         row["piecewise_capture_s"] = round(engine.pieces.capture_s, 1)
+        row["piecewise_capture_by_size"] = engine.pieces.capture_by_size
         row["steps"] = mixed_steps(engine)
         save()
     runner = engine.runner
@@ -759,6 +760,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # fused_linear_timings)
                 "fused_rows": llm.engine.model.fused_rows,
                 "fused_linear_timings": llm.engine.fused_linear_timings,
+                # start-up's graph captures, seconds (the piecewise ones per size: warm-up
+                # forward, capture, and of that torch's capture_begin/capture_end)
+                "decode_graphs_capture_s": graphs.capture_s
+                if (graphs := llm.engine.graphs)
+                else None,
+                "piecewise_capture_s": pieces.capture_s if (pieces := llm.engine.pieces) else None,
+                "piecewise_capture_by_size": pieces.capture_by_size if pieces else None,
             }
             save()
         except Exception:

@@ -92,6 +92,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0  # how long capture() took (warm-up forwards included)
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata.decodes(
@@ -120,9 +121,10 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - started
         log.info(
             "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
-            len(self.sizes), self.sizes[-1], time.perf_counter() - started,
+            len(self.sizes), self.sizes[-1], self.capture_s,
         )  # fmt: skip
 
     def padded_size(self, meta: AttentionMetadata) -> int | None:
@@ -203,6 +205,12 @@ class PiecewiseGraphs:
         self._pool: Any = None  # the graphs' memory pool (torch's handle), once there is one
         self._capturing = 0  # the size being captured
         self.capture_s = 0.0  # how long capture() took (warm-up forwards included)
+        # per size, where its capture's time went (seconds): the warm-up forward and its
+        # wait (`warm_s`), the captured forward (`capture_s`), and of that the time inside
+        # torch's capture_begin/capture_end (`graph_api_s`: the capture's bookkeeping and
+        # each piece's instantiation), the rest being the forward's own Python and launches
+        self.capture_by_size: dict[int, dict[str, float]] = {}
+        self._graph_api_s = 0.0
 
     def _capture_meta(self, t: int) -> AttentionMetadata:
         return AttentionMetadata.decodes(
@@ -215,10 +223,13 @@ class PiecewiseGraphs:
         model = self.model
         stream = torch.cuda.Stream(model.device)  # (a capture needs a stream of its own)
         for t in reversed(self.sizes):
+            warm = time.perf_counter()
             meta = self._capture_meta(t)
             # compiles and tunes the kernels at this size outside the capture
             model.forward(self.input_ids[:t], self.positions[:t], meta, self.kv_layers)
             torch.cuda.synchronize()
+            begun = time.perf_counter()
+            self._graph_api_s = 0.0
             stream.wait_stream(torch.cuda.current_stream(model.device))
             attend = model.attend
             model.attend = self._cut  # the forward's attention calls end one piece each
@@ -234,24 +245,35 @@ class PiecewiseGraphs:
             finally:
                 model.attend = attend
             torch.cuda.current_stream(model.device).wait_stream(stream)
+            self.capture_by_size[t] = {
+                "warm_s": round(begun - warm, 4),
+                "capture_s": round(time.perf_counter() - begun, 4),
+                "graph_api_s": round(self._graph_api_s, 4),
+            }
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - started
         log.info(
             "captured piecewise CUDA graphs for steps of up to %d tokens (%d sizes, %d "
-            "pieces each) in %.1f s",
+            "pieces each) in %.1f s: warm-up forwards %.1f s, torch's capture_begin/end %.1f s",
             self.sizes[-1], len(self.sizes), len(self.model.layers) + 1, self.capture_s,
+            sum(s["warm_s"] for s in self.capture_by_size.values()),
+            sum(s["graph_api_s"] for s in self.capture_by_size.values()),
         )  # fmt: skip
 
     def _begin(self) -> None:
+        started = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self._pool)
         self.pieces[self._capturing].append(graph)
+        self._graph_api_s += time.perf_counter() - started
 
     def _end(self) -> None:
+        started = time.perf_counter()
         graph = self.pieces[self._capturing][-1]
         graph.capture_end()
         if self._pool is None:
             self._pool = graph.pool()
+        self._graph_api_s += time.perf_counter() - started
 
     def _cut(
         self,

@@ -107,6 +107,11 @@ def test_a_capture_cuts_at_each_attention_and_a_replay_runs_them_in_turn(
         if i % (layers + 1) == layers:
             expected.append(("main stream",))
     assert log == expected
+    # where each size's capture time went, for start-up's figures (benchmarks.gpu)
+    assert list(pieces.capture_by_size) == [32, 16]
+    for times in pieces.capture_by_size.values():
+        assert set(times) == {"warm_s", "capture_s", "graph_api_s"}
+        assert 0 <= times["graph_api_s"] <= times["capture_s"]
     for t in (16, 32):
         calls = pieces.calls[t]
         assert len(pieces.pieces[t]) == layers + 1 and len(calls) == layers
