@@ -15,7 +15,9 @@ _BACKENDS = ("auto", "cpu", "torch", "triton")
 class ComputeConfig(GrpcServerConfig):
     model: str = field(
         default="default",
-        metadata={"help": "HF folder, .gguf file, or 'default' (bundled SmolLM2-135M-Instruct)"},
+        metadata={
+            "help": "HF folder, .gguf file, 'default' (bundled SmolLM2-135M-Instruct) or 'gemma3' (Gemma 3 270M)"
+        },
     )
     port: int = field(default=50052, metadata={"help": "gRPC port"})
     device: str = field(

@@ -45,7 +45,8 @@ class ControlConfig(GrpcServerConfig):
         },
     )
     model: str = field(
-        default="default", metadata={"help": "tokenizer source: HF folder, .gguf, or 'default'"}
+        default="default",
+        metadata={"help": "tokenizer source: HF folder, .gguf, 'default' or 'gemma3'"},
     )
     metrics_port: int = field(
         default=8001,

@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("generate", help="run both planes locally and stream one completion")
     p.add_argument("prompt")
-    p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
+    p.add_argument("--model", default="default", help="HF folder, .gguf, 'default' or 'gemma3'")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=int, default=None)
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_gateway)
 
     p = add("serve", help="start compute plane, control plane and gateway locally")
-    p.add_argument("--model", default="default", help="HF folder, .gguf, or 'default'")
+    p.add_argument("--model", default="default", help="HF folder, .gguf, 'default' or 'gemma3'")
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
     p.add_argument(
