@@ -1,0 +1,69 @@
+"""The reference docs list what the code has: every configuration field has a row in
+docs/configuration.md under its plane, and every Prometheus metric the three planes
+register has a row in docs/metrics.md, with no row for a flag or metric that is gone."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import prometheus_client
+import pytest
+
+import compute_plane.metrics  # noqa: F401 -- registers the planes' metrics
+import control_plane.metrics  # noqa: F401
+import gateway.metrics  # noqa: F401
+from compute_plane.config import ComputeConfig
+from control_plane.config import ControlConfig
+from gateway.config import GatewayConfig
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else None]
+
+
+def _rows(text: str, pattern: str) -> set[str]:
+    """The names in the first column of the tables' rows (a row may name several:
+    "| `--tls-cert`, `--tls-key` |"; a metric's labels follow its name)."""
+    names: set[str] = set()
+    for cell in re.findall(r"^\| ([^|]+) \|", text, re.M):
+        names.update(re.findall(rf"`({pattern})(?:\{{[^`]*\}})?`", cell))
+    return names
+
+
+@pytest.mark.parametrize(
+    ("heading", "config"),
+    [
+        ("## Compute plane", ComputeConfig),
+        ("## Control plane", ControlConfig),
+        ("## Gateway", GatewayConfig),
+    ],
+)
+def test_every_flag_has_a_row_under_its_plane(heading: str, config: type) -> None:
+    text = (DOCS / "configuration.md").read_text()
+    rows = _rows(_section(text, heading), r"--[a-z0-9-]+")
+    tls = _rows(_section(text, "## TLS"), r"--[a-z0-9-]+")
+    fields = dataclasses.fields(config)
+    flags = {"--" + f.name.replace("_", "-") for f in fields}
+    # a boolean has a --no- form too (argparse's BooleanOptionalAction)
+    offs = {"--no-" + f.name.replace("_", "-") for f in fields if "bool" in str(f.type)}
+    assert flags - rows - tls == set(), "flags without a row"
+    assert rows - flags - offs == set(), "rows for flags that do not exist"
+
+
+def test_every_metric_has_a_row() -> None:
+    registered = set()
+    for collector in list(prometheus_client.REGISTRY._collector_to_names):
+        for metric in getattr(collector, "describe", list)():
+            if metric.name.startswith("hetero_"):
+                suffix = "_total" if metric.type == "counter" else ""
+                registered.add(metric.name + suffix)
+    assert len(registered) > 30
+    rows = _rows((DOCS / "metrics.md").read_text(), r"hetero_[a-z0-9_]+")
+    assert registered - rows == set(), "metrics without a row"
+    assert rows - registered == set(), "rows for metrics that are not registered"
