@@ -22,7 +22,7 @@ from gateway.auth import require_api_key
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
 from gateway.control_planes import ControlPlanes
-from gateway.errors import APIError, from_grpc, http_error
+from gateway.errors import APIError, InternalErrors, from_grpc, http_error
 from gateway.generation import chat_call, check_model, detokenize
 from gateway.metrics import instrument
 from gateway.request_id import RequestIdMiddleware
@@ -107,6 +107,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
         lifespan=lifespan,
     )
     app.state.link = link
+    app.add_middleware(InternalErrors)  # first, so innermost: inside the metrics and the id
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
     if config.api_key:
         require_api_key(app, config.api_key)

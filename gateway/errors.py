@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -112,3 +113,34 @@ def http_error(status: int, detail: str) -> APIError:
     kind = "invalid_request_error" if status < 500 else "internal_error"
     code = {404: "not_found", 405: "method_not_allowed"}.get(status)
     return APIError(status, detail, type=kind, code=code)
+
+
+class InternalErrors:
+    """Pure ASGI middleware, just outside the app's exception handlers: an exception none
+    of them takes (a bug) becomes OpenAI's error object with status 500, its trace goes
+    to the log, and the connection stays usable. Starlette's last resort answers plain
+    text and raises on, and uvicorn then closes the connection under the client's next
+    request. Once the response has started there is no answer left to give: it raises on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            error = APIError(500, "internal error in the gateway", type="internal_error")
+            await error.response()(scope, receive, send)

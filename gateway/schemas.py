@@ -6,9 +6,18 @@ Fields follow the OpenAI API reference; `top_k`, `min_p`, `repetition_penalty`,
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
 
@@ -56,6 +65,12 @@ class StructuredOutputs(Strict):
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"json_schema is only for type json_schema, not {self.type}")
+        return self
 
 
 class StreamOptions(Strict):
@@ -116,9 +131,13 @@ class SamplingFields(Strict):
     @classmethod
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not _TOKEN_KEY.fullmatch(key):  # (ASCII digits: str.isdigit takes "²")
+                shown = key if len(key) <= 24 else key[:24] + "..."
+                raise ValueError(f"keys must be token ids, got {shown!r}")
         return v
+
+
+_TOKEN_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
 
 
 class CompletionRequest(SamplingFields):
@@ -131,8 +150,11 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and not v:
+        if not v:  # "" or []
             raise ValueError("prompt must not be empty")
+        batch = isinstance(v, list) and not isinstance(v[0], int)
+        if batch and (i := next((i for i, p in enumerate(v) if not p), None)) is not None:
+            raise ValueError(f"prompt {i} of the batch is empty")
         return v
 
     @field_validator("suffix")
@@ -208,6 +230,13 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False  # prepend the open final message (continue_final_message) to the answer
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Text]] | None = None  # RAG documents, for templates that use them
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):  # (OpenAI's and vLLM's rule)
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
 
 
 class TokenizeCompletionRequest(Strict):

@@ -69,3 +69,55 @@ def test_lone_surrogates_are_a_400(client: TestClient, route: str, body: str, pa
     assert str(err["param"]).startswith(param) and "surrogate" in str(err["message"])
     # The connection stays usable (no dropped keep-alive): the next request is answered.
     assert client.get("/health").status_code == 200
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param"),
+    [
+        # token ids in ASCII digits only: "²" and "١٢" are digits to str.isdigit, and int()
+        # of "²" raised (a 500); 5000 digits are past int()'s limit
+        ("chat/completions", {"logit_bias": {"²": 1}}, "logit_bias"),
+        ("chat/completions", {"logit_bias": {"١٢": 1}}, "logit_bias"),
+        ("chat/completions", {"logit_bias": {"--5": 1}}, "logit_bias"),
+        ("chat/completions", {"logit_bias": {"7" * 5000: 1}}, "logit_bias"),
+        ("chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        (
+            "chat/completions",
+            {"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+            "response_format",
+        ),
+        ("completions", {"prompt": ""}, "prompt"),
+        ("completions", {"prompt": ["a", ""]}, "prompt"),
+        ("completions", {"prompt": [[1], []]}, "prompt"),
+    ],
+    ids=[
+        "bias-superscript", "bias-arabic-indic", "bias-double-minus", "bias-5000-digits",
+        "top-logprobs-alone", "schema-without-its-type", "empty-prompt", "empty-in-batch",
+        "empty-ids-in-batch",
+    ],
+)  # fmt: skip
+def test_fields_the_request_cannot_mean_are_a_400_naming_them(
+    client: TestClient, route: str, extra: dict[str, object], param: str
+) -> None:
+    body = {**CHAT, **extra} if route.startswith("chat") else {"model": "m", **extra}
+    err = _error(client.post(f"/v1/{route}", json=body), 400)
+    assert err["param"] == param, err
+    assert len(str(err["message"])) < 200  # (a 5000-digit key is not echoed whole)
+
+
+def test_an_unexpected_exception_is_a_500_error_object_and_the_connection_lives() -> None:
+    app = create_app(GatewayConfig(port=8000, control="127.0.0.1:9"))
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    with TestClient(app) as c:  # (TestClient raises what the app lets out)
+        r = c.get("/boom", headers={"x-request-id": "req-1"})
+        err = _error(r, 500)
+        assert err["type"] == "internal_error" and "a bug" not in str(err["message"])
+        assert r.headers["x-request-id"] == "req-1"
+        assert c.get("/health").status_code == 200
