@@ -357,6 +357,8 @@ class ControlEngine:
         """
         if self.draining:
             raise ComputeUnavailable("the control plane is shutting down")
+        if not prompt_ids:  # (before the resumed count's check, which would blame it)
+            raise AdmissionError("the prompt is empty")
         if not 0 <= num_resumed < len(prompt_ids):
             raise AdmissionError(
                 f"num_resumed_output_tokens must be in 0..{max(0, len(prompt_ids) - 1)} "

@@ -421,6 +421,8 @@ def test_bad_resumed_output_is_refused(stub: pb_grpc.ControlPlaneStub) -> None:
             params=pb.GenerationParams(max_tokens=2),
             num_resumed_output_tokens=2,
         ),
+        # (an empty input is named as such, before the resumed count's range blames it)
+        "the prompt is empty": pb.GenerateRequest(text="", params=p),
         "breaks the grammar": pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=[5, 6, 7]),
             params=pb.GenerationParams(
