@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -725,4 +726,6 @@ class Engine:
             tr.logprob = out.logprobs[i]
         if top and out.top_ids is not None and out.top_logprobs is not None:
             for tid, lp in zip(out.top_ids[i][:top], out.top_logprobs[i], strict=False):
+                if lp == -math.inf:  # banned (a grammar's mask, min_tokens): not a choice,
+                    break  # and the rest, most likely first, are banned too
                 tr.top_logprobs.add(token_id=tid, logprob=lp)

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -135,6 +136,61 @@ def test_guided_regex_and_choice(client: openai.OpenAI, model: str) -> None:
 
     _parallel(regex_job, [(i, p, s) for i, p in enumerate(REGEXES * 3) for s in (False, True)])
     _parallel(choice_job, [(i, c, s) for i, c in enumerate(CHOICES * 3) for s in (False, True)])
+
+
+def _strict_json(line: str) -> Any:
+    """JSON as RFC 8259 has it: -Infinity or NaN (which Python's json writes and reads)
+    is not JSON to a JavaScript or Go client."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_logprobs_of_a_constrained_answer_name_only_allowed_tokens(
+    client: openai.OpenAI, url: str, model: str
+) -> None:
+    """Logprobs are those of the masked distribution: a token the grammar forbids is not
+    among the top ones (it has no probability), so a request for more alternatives than
+    the grammar allows gets fewer, all finite, streamed and not."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Is the sky blue?"}],
+        "guided_choice": ["yes", "no"],
+        "logprobs": True,
+        "top_logprobs": 10,
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    content = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) in ("yes", "no")
+    for t in content:
+        assert 1 <= len(t["top_logprobs"]) < 10  # "yes", "no", their prefixes
+        assert t["token"] == t["top_logprobs"][0]["token"]  # greedy: the most likely
+    lines = []
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as s:
+        assert s.status_code == 200
+        lines = [x[6:] for x in s.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    streamed = [t for x in lines for c in _strict_json(x)["choices"] if c.get("logprobs") for t in c["logprobs"]["content"]]  # fmt: skip
+
+    # (the same tokens; a prefix-cache hit may move the logprobs in the last digits)
+    def tops(ts: list[dict[str, Any]]) -> list[list[str]]:
+        return [[t["token"]] + [x["token"] for x in t["top_logprobs"]] for t in ts]
+
+    assert tops(streamed) == tops(content)
+    assert [t["logprob"] for t in streamed] == pytest.approx(
+        [t["logprob"] for t in content], abs=1e-3
+    )
+    completion = client.completions.create(
+        model=model, prompt="Is the sky blue? Answer:", max_tokens=3, temperature=0,
+        logprobs=10, extra_body={"guided_regex": "(yes|no)"},
+    )  # fmt: skip
+    lp = completion.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None
+    assert all(1 <= len(top) < 10 for top in lp.top_logprobs)
 
 
 def test_json_object_and_grammar(client: openai.OpenAI, model: str) -> None:
