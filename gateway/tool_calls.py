@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import llguidance
+
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
 
@@ -82,7 +84,20 @@ def call_schema(tool: Tool) -> dict[str, Any]:
 
 
 def grammar(tools: list[Tool], parallel: bool) -> str:
-    """Lark (llguidance) grammar of one tool-call block of calls to these tools."""
+    """Lark (llguidance) grammar of one tool-call block of calls to these tools. A
+    function's parameters schema that llguidance cannot compile is a 400 naming that
+    tool (the grammar's own error would quote the whole grammar and blame no field)."""
+    for t in tools:
+        schema = json.dumps(t.function.parameters or {"type": "object"})
+        if error := llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_json_schema(schema)
+        ):
+            raise APIError(
+                400,
+                f"tools: function {t.function.name!r}: its parameters schema cannot "
+                f"constrain the call tool_choice asks for: {error.strip().splitlines()[0][:300]}",
+                param="tools",
+            )
     schemas = [call_schema(t) for t in tools]
     one: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     one = {**one, "x-guidance": _X_GUIDANCE}

@@ -394,6 +394,25 @@ def test_free_requests_unchanged_by_constrained_neighbours(
             "",
         ),
         ({"tools": [{"type": "retrieval"}]}, "tools.0.type", ""),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "nonsense"}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "Invalid type: nonsense",
+        ),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern", ""),
     ],
 )

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gateway import tool_calls
 from gateway.errors import APIError
-from gateway.schemas import ChatCompletionRequest
+from gateway.schemas import ChatCompletionRequest, Tool
 
 NAMES = {"get_weather", "add"}
 
@@ -124,3 +124,35 @@ def test_forced_grammar_compiles_and_accepts_a_call(smollm2_path) -> None:  # ty
     assert state.complete and not state.dead
     _, calls = tool_calls.parse(text, {"get_weather"})
     assert _fn(calls) == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"a": {"type": "nonsense"}}},
+        {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}},
+    ],
+    ids=["bad-type", "dangling-ref"],
+)
+def test_a_forced_call_to_a_schema_that_does_not_compile_is_a_400_naming_the_tool(
+    parameters: dict[str, object],
+) -> None:
+    """(The control plane's grammar error named no field and quoted the whole grammar.)"""
+    tools = [
+        {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "broken", "parameters": parameters}},
+    ]
+
+    def forced(choice: object) -> list[Tool]:
+        body = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+             "tool_choice": choice}
+        )  # fmt: skip
+        return tool_calls.forced(body) or []
+
+    for choice in ("required", {"type": "function", "function": {"name": "broken"}}):
+        with pytest.raises(APIError) as e:
+            tool_calls.grammar(forced(choice), True)
+        assert e.value.param == "tools" and "'broken'" in e.value.message
+        assert "start:" not in e.value.message and len(e.value.message) < 500
+    tool_calls.grammar(forced({"type": "function", "function": {"name": "ok"}}), False)
