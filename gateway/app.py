@@ -121,6 +121,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     app.get("/health")(_health)
     app.get("/ready")(functools.partial(_ready, link))
     app.get("/v1/models")(functools.partial(_models, link))
+    app.get("/v1/models/{model_id:path}")(functools.partial(_model, link))
     args = (link.model_name, link.mux, link.open, config.request_timeout, link.defaults)
     app.post("/v1/completions", response_model=None)(_endpoint(CompletionServing(*args)))
     app.post("/v1/chat/completions", response_model=None)(_endpoint(ChatServing(*args)))
@@ -235,16 +236,27 @@ async def _ready(link: ControlLink) -> JSONResponse:
 
 
 async def _models(link: ControlLink) -> dict[str, Any]:
+    return {"object": "list", "data": [await _model_object(link)]}
+
+
+async def _model(link: ControlLink, model_id: str) -> dict[str, Any]:
+    """GET /v1/models/{id} (the openai client's models.retrieve): the served model, or
+    404 model_not_found."""
+    model = await _model_object(link)
+    check_model(model_id, model["id"])
+    return model
+
+
+async def _model_object(link: ControlLink) -> dict[str, Any]:
     name = await link.model_name()
     info = await link.info()
-    model = {
+    return {
         "id": name,
         "object": "model",
         "created": 0,
         "owned_by": "hetero-paged-infer",
         "max_model_len": info.max_model_len,
     }
-    return {"object": "list", "data": [model]}
 
 
 async def serve(config: GatewayConfig) -> None:

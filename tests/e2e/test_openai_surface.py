@@ -233,6 +233,15 @@ def test_version_and_unknown_fields(client: openai.OpenAI, model: str, http: htt
     assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
 
 
+def test_models_retrieve(client: openai.OpenAI, model: str) -> None:
+    served = client.models.retrieve(model)  # GET /v1/models/{id}
+    assert served.id == model and served.object == "model"
+    assert served.model_dump() == client.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("not-" + model)
+    assert isinstance(e.value.body, dict) and e.value.body["code"] == "model_not_found"
+
+
 def test_prompt_logprobs_match_transformers(
     client: openai.OpenAI, model: str, http: httpx.Client, hf_smollm2
 ) -> None:  # type: ignore[no-untyped-def]
