@@ -94,12 +94,15 @@ def _from_status(code: grpc.StatusCode, details: str | None) -> APIError:
         if (details or "").startswith(f"{field}:"):
             param = field
     message = details or code.name
+    name = code.name.lower()
+    if status == 400 and "maximum context length" in message:
+        name = "context_length_exceeded"  # (OpenAI's code: clients look for it)
     if status >= 500:
         log.warning("the control plane answered %s: %s", code.name, details)
         message = _SERVER_MESSAGES.get(code, "the request failed in the model server")
         if code == grpc.StatusCode.INTERNAL and details:
             message = f"the request failed in the model server: {_first_line(details)}"
-    return APIError(status, message, type=kind, param=param, code=code.name.lower())
+    return APIError(status, message, type=kind, param=param, code=name)
 
 
 def _first_line(details: str) -> str:

@@ -193,6 +193,7 @@ class Serving(Generic[Body]):
 
     id_prefix = ""
     chunk_object = ""
+    input_param = ""  # the field that holds the input, named by a context-length error
 
     def __init__(
         self,
@@ -208,6 +209,14 @@ class Serving(Generic[Body]):
         self.defaults = defaults
 
     async def __call__(self, body: Body, request: Request) -> Response:
+        try:
+            return await self._serve(body, request)
+        except APIError as e:
+            if e.code == "context_length_exceeded" and e.param is None:
+                e.param = self.input_param  # (as OpenAI: the input is what does not fit)
+            raise
+
+    async def _serve(self, body: Body, request: Request) -> Response:
         model = await self.model_name()
         check_model(body.model, model)
         if self.defaults is not None:
@@ -336,6 +345,7 @@ class Serving(Generic[Body]):
 class CompletionServing(Serving[CompletionRequest]):
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
+    input_param = "prompt"
 
     def calls(self, body: CompletionRequest) -> list[pb.GenerateRequest]:
         return completion_calls(body)
@@ -435,6 +445,7 @@ class CompletionServing(Serving[CompletionRequest]):
 class ChatServing(Serving[ChatCompletionRequest]):
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
+    input_param = "messages"
     chunk_extra = {"system_fingerprint": None}  # noqa: RUF012 -- read-only
 
     def calls(self, body: ChatCompletionRequest) -> list[pb.GenerateRequest]:

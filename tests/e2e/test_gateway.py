@@ -174,12 +174,13 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "prompt"),  # too long
     (
-        "/v1/completions",
-        {"prompt": "x", "max_tokens": 100000},
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000},
         400,
-        None,
-    ),  # too long: names the limit
+        "messages",
+    ),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stop": ["y" * 257]}, 400, "stop"),
@@ -216,6 +217,9 @@ def test_errors_in_openai_schema(
     if body.get("max_tokens") == 100000:
         limit = httpx.get(stack.url + "/v1/models").json()["data"][0]["max_model_len"]
         assert f"maximum context length of {limit} tokens" in err["message"]
+        # OpenAI's code, and the input named (what clients that trim their input look for)
+        assert err["code"] == "context_length_exceeded"
+        assert err["param"] == ("messages" if "chat" in path else "prompt")
     # The stack keeps serving.
     ok = httpx.post(
         stack.url + "/v1/completions",
@@ -254,7 +258,10 @@ def test_request_size_limits(stack: FullStack, model: str) -> None:
     assert f"the prompt has {limit} tokens" in error(httpx.post(url, json=full, timeout=60), 400)
     # Refusals in streaming mode are HTTP statuses, not a 200 with an error event.
     stream = {**full, "stream": True}
-    assert "maximum context length" in error(httpx.post(url, json=stream, timeout=60), 400)
+    r = httpx.post(url, json=stream, timeout=60)
+    assert "maximum context length" in error(r, 400)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
     ok = httpx.post(url, json={"model": model, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200
 
