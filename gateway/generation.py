@@ -122,6 +122,23 @@ def structured_output(req: SamplingFields) -> pb.StructuredOutput | None:
     return pb.StructuredOutput(grammar=req.guided_grammar)
 
 
+# How the control plane's grammar errors begin (StructuredOutput's kinds), and the request
+# field each came from.
+GRAMMAR_KINDS = ("json_schema:", "json_object:", "regex:", "choice:", "grammar:")
+
+
+def constraining_field(req: SamplingFields) -> str | None:
+    """The field of a request that constrains its output (for an error about it)."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                 "guided_choice", "guided_grammar"):  # fmt: skip
+        value = getattr(req, name)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            return name
+    if isinstance(req, ChatCompletionRequest) and tool_calls.forced(req) is not None:
+        return "tools"
+    return None
+
+
 def generation_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None
 ) -> pb.GenerationParams:
@@ -144,6 +161,12 @@ def generation_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+    if max_tokens is not None and req.min_tokens > max_tokens:
+        raise APIError(
+            400,
+            f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
     for key, bias in (req.logit_bias or {}).items():
         token = int(key)
         if not 0 <= token < INT32:

@@ -22,12 +22,14 @@ from gateway import tool_calls
 from gateway.errors import APIError
 from gateway.generation import (
     FINISH,
+    GRAMMAR_KINDS,
     Delta,
     StreamItem,
     chat_call,
     check_model,
     collect_calls,
     completion_calls,
+    constraining_field,
     detokenize,
     start_stream,
 )
@@ -212,8 +214,10 @@ class Serving(Generic[Body]):
         try:
             return await self._serve(body, request)
         except APIError as e:
-            if e.code == "context_length_exceeded" and e.param is None:
+            if e.param is None and e.code == "context_length_exceeded":
                 e.param = self.input_param  # (as OpenAI: the input is what does not fit)
+            elif e.param is None and e.message.startswith(GRAMMAR_KINDS):
+                e.param = constraining_field(body)  # the control plane's grammar compile
             raise
 
     async def _serve(self, body: Body, request: Request) -> Response:

@@ -372,10 +372,11 @@ def test_free_requests_unchanged_by_constrained_neighbours(
                     "json_schema": {"name": "x", "schema": {"type": "objectx"}},
                 }
             },
-            None,
+            "response_format",  # (the control plane's grammar error, named by the gateway)
             "objectx",
         ),
-        ({"extra_body": {"guided_regex": "(("}}, None, "regex"),
+        ({"extra_body": {"guided_regex": "(("}}, "guided_regex", "regex"),
+        ({"extra_body": {"structured_outputs": {"regex": "(("}}}, "structured_outputs", "regex"),
         ({"extra_body": {"guided_json": "{nope"}}, "guided_json", "not valid JSON"),
         (
             {"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}},
