@@ -122,9 +122,10 @@ def structured_output(req: SamplingFields) -> pb.StructuredOutput | None:
     return pb.StructuredOutput(grammar=req.guided_grammar)
 
 
-# How the control plane's grammar errors begin (StructuredOutput's kinds), and the request
-# field each came from.
-GRAMMAR_KINDS = ("json_schema:", "json_object:", "regex:", "choice:", "grammar:")
+# How the control plane's grammar errors begin: the StructuredOutput kind, then ":".
+GRAMMAR_KINDS = tuple(
+    f"{f.name}:" for f in pb.StructuredOutput.DESCRIPTOR.oneofs_by_name["kind"].fields
+)
 
 
 def constraining_field(req: SamplingFields) -> str | None:
