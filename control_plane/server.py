@@ -293,6 +293,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             has_chat_template=bool(self.tokenizer.chat_template),
             compute_attached=self.engine.attached.is_set(),
             generation_defaults_json=self.generation_defaults,
+            max_waiting=self.engine.config.max_waiting,
         )
         # Over every attached compute plane: the smallest context, all their blocks.
         scheds = self.engine.schedulers

@@ -34,7 +34,7 @@ from gateway.schemas import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from gateway.serving import ChatServing, CompletionServing
+from gateway.serving import ChatServing, CompletionServing, PlaneSettings
 from gateway.slow_clients import guarded_h11
 from gateway.tracing import TracingMiddleware
 from hetero_common.tracing import tracing_enabled
@@ -51,7 +51,7 @@ class ControlLink:
         self.planes = ControlPlanes(config)
         self.mux = Router(self.planes, config.control_retry_timeout)
         self._model: str | None = config.served_model_name
-        self._defaults: dict[str, Any] | None = None
+        self._settings: PlaneSettings | None = None
         if config.control_tls.enabled:  # read the certificates now: a bad path stops start-up
             config.control_tls.credentials()
 
@@ -70,12 +70,14 @@ class ControlLink:
     async def close(self) -> None:
         await self.planes.close()
 
-    async def defaults(self) -> dict[str, Any]:
-        """The model's generation_config.json sampling defaults (fetched once)."""
-        if self._defaults is None:
+    async def settings(self) -> PlaneSettings:
+        """The model's generation_config.json sampling defaults and the planes' waiting
+        queue size (fetched once)."""
+        if self._settings is None:
             info = await self.info()
-            self._defaults = json.loads(info.generation_defaults_json or "{}")
-        return self._defaults
+            defaults = json.loads(info.generation_defaults_json or "{}")
+            self._settings = PlaneSettings(defaults, info.max_waiting)
+        return self._settings
 
     async def model_name(self) -> str:
         if self._model is None:
@@ -122,7 +124,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     app.get("/ready")(functools.partial(_ready, link))
     app.get("/v1/models")(functools.partial(_models, link))
     app.get("/v1/models/{model_id:path}")(functools.partial(_model, link))
-    args = (link.model_name, link.mux, link.open, config.request_timeout, link.defaults)
+    args = (link.model_name, link.mux, link.open, config.request_timeout, link.settings)
     app.post("/v1/completions", response_model=None)(_endpoint(CompletionServing(*args)))
     app.post("/v1/chat/completions", response_model=None)(_endpoint(ChatServing(*args)))
     app.post("/tokenize")(functools.partial(_tokenize, link))

@@ -120,6 +120,26 @@ def chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class PlaneSettings:
+    """What the gateway reads once from a control plane's ModelInfo."""
+
+    defaults: dict[str, Any]  # the model's generation_config.json sampling defaults
+    max_waiting: int  # its waiting queue's size per compute plane (0: not said)
+
+
+def check_batch(num_calls: int, max_waiting: int, param: str) -> None:
+    """A batch's requests are admitted at once, so one of more prompts than a waiting
+    queue holds is refused whatever the load (400, not a 429 a client would retry)."""
+    if max_waiting and num_calls > max_waiting:
+        raise APIError(
+            400,
+            f"a batch of {num_calls} prompts is more than the server queues at once "
+            f"(--max-waiting {max_waiting}): send at most {max_waiting} per request",
+            param=param,
+        )
+
+
 def apply_defaults(body: Any, defaults: dict[str, Any]) -> None:
     """The model's sampling defaults for the fields the request left out (vLLM's
     --generation-config auto)."""
@@ -203,12 +223,12 @@ class Serving(Generic[Body]):
         mux: Calls,
         stub: Callable[[], pb_grpc.ControlPlaneStub],
         timeout: float,
-        defaults: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        settings: Callable[[], Awaitable[PlaneSettings]] | None = None,
     ) -> None:
-        """`defaults`: the model's sampling defaults (generation_config.json), for the
-        fields a request leaves out."""
+        """`settings`: the model's sampling defaults (generation_config.json), for the
+        fields a request leaves out, and the size of a batch the planes take."""
         self.model_name, self.mux, self.stub, self.timeout = model_name, mux, stub, timeout
-        self.defaults = defaults
+        self.settings = settings
 
     async def __call__(self, body: Body, request: Request) -> Response:
         try:
@@ -223,14 +243,18 @@ class Serving(Generic[Body]):
     async def _serve(self, body: Body, request: Request) -> Response:
         model = await self.model_name()
         check_model(body.model, model)
-        if self.defaults is not None:
-            apply_defaults(body, await self.defaults())
+        settings = None if self.settings is None else await self.settings()
+        if settings is not None:
+            apply_defaults(body, settings.defaults)
         if body.stream_options is not None and not body.stream:
             raise APIError(
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
         self.check(body)
-        call = Call(body, model, self.calls(body), f"{self.id_prefix}{uuid.uuid4().hex}")
+        calls = self.calls(body)
+        if settings is not None:
+            check_batch(len(calls), settings.max_waiting, self.input_param)
+        call = Call(body, model, calls, f"{self.id_prefix}{uuid.uuid4().hex}")
         if body.stream:
             stream = await cancel_on_disconnect(
                 request, start_stream(self.mux, call.calls, self.timeout)

@@ -300,7 +300,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, detailed: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "has_chat_template", "compute_attached", "architecture", "dtype", "device", "stats", "generation_defaults_json", "speculative")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "num_kv_blocks", "has_chat_template", "compute_attached", "architecture", "dtype", "device", "stats", "generation_defaults_json", "speculative", "max_waiting")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +315,7 @@ class ModelInfoResponse(_message.Message):
     STATS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_DEFAULTS_JSON_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -329,7 +330,8 @@ class ModelInfoResponse(_message.Message):
     stats: EngineStats
     generation_defaults_json: str
     speculative: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., compute_attached: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., generation_defaults_json: _Optional[str] = ..., speculative: _Optional[str] = ...) -> None: ...
+    max_waiting: int
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., has_chat_template: _Optional[bool] = ..., compute_attached: _Optional[bool] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., generation_defaults_json: _Optional[str] = ..., speculative: _Optional[str] = ..., max_waiting: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("num_free_kv_blocks", "num_usable_kv_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "integrity_ok", "integrity_error", "num_kv_slots_allocated", "num_kv_slots_used", "num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens")

@@ -70,3 +70,12 @@ def test_full_waiting_queue_is_429() -> None:
         waiting.join()
         ok = client.completions.create(model=model, prompt="Hi", max_tokens=2)
         assert ok.choices[0].text is not None
+        # A batch of more prompts than the queue holds could never be admitted whole:
+        # a 400 that names prompt, not a 429 a client would retry forever.
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=["Hi", "Yo"], max_tokens=2)
+        assert e.value.status_code == 400
+        assert e.value.body["param"] == "prompt", e.value.body  # type: ignore[index]
+        assert "--max-waiting 1" in e.value.body["message"], e.value.body  # type: ignore[index]
+        one = client.completions.create(model=model, prompt=["Hi"], max_tokens=2, n=2)
+        assert len(one.choices) == 2  # n choices of one prompt are not a batch

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.errors import APIError
+from gateway.serving import PlaneSettings
 from hetero_proto import control_pb2 as pb
 
 MODEL = "tiny-model"
@@ -70,12 +71,13 @@ class FakeLink:
         self.mux = FakeMux()
         self.closed = False
         self.sampling_defaults: dict[str, Any] = {}
+        self.max_waiting = 0
 
     async def model_name(self) -> str:
         return MODEL
 
-    async def defaults(self) -> dict[str, Any]:
-        return self.sampling_defaults
+    async def settings(self) -> PlaneSettings:
+        return PlaneSettings(self.sampling_defaults, self.max_waiting)
 
     async def info(self, timeout: float = 2.0) -> pb.ModelInfoResponse:
         return pb.ModelInfoResponse(model_name=MODEL, max_model_len=2048, compute_attached=True)
@@ -266,6 +268,24 @@ def test_generation_config_defaults_fill_only_fields_left_out(
     params = link.mux.calls[-1].params
     assert params.temperature == pytest.approx(0.6) and params.top_k == 20
     assert params.top_p == pytest.approx(0.5)  # the request's own value wins
+
+
+def test_a_batch_larger_than_the_waiting_queue_is_refused_before_any_call(
+    client: TestClient, link: FakeLink
+) -> None:
+    link.max_waiting = 2
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "max_tokens": 2}
+    for stream in (False, True):
+        r = client.post("/v1/completions", json=body | {"stream": stream})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "prompt"
+        assert "--max-waiting 2" in r.json()["error"]["message"]
+    assert link.mux.calls == []  # nothing was sent to a control plane
+    ok = client.post("/v1/completions", json=body | {"prompt": ["a", "b"], "n": 3})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 6
+    assert len(link.mux.calls) == 2
+    link.max_waiting = 0  # a control plane that does not say: no limit here
+    assert client.post("/v1/completions", json=body).status_code == 200
 
 
 def test_a_client_leaving_during_a_send_cancels_its_calls_at_once(link: FakeLink) -> None:
