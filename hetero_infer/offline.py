@@ -10,6 +10,7 @@ strings) drives the compute engine directly: same code as serving, minus gRPC an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -67,15 +68,18 @@ class OfflineLLM:
     def generate(
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
     ) -> list[Completion]:
-        """Run every prompt to the end, all admitted at once; results in prompt order."""
+        """Run every prompt to the end, all admitted at once (the waiting queue is made to
+        hold them, as vLLM's LLM.generate takes any number); results in prompt order."""
         assert len(prompts) == len(params), "one GenerationParams per prompt"
         return asyncio.run(self._generate(prompts, params))
 
     async def _generate(
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
     ) -> list[Completion]:
+        config = self.control_config
+        config = dataclasses.replace(config, max_waiting=max(config.max_waiting, len(prompts)))
         control = ControlEngine(
-            self.control_config,
+            config,
             self.tokenizer,
             in_process_link(self.engine),
             model_name=self.model_name,
