@@ -181,13 +181,27 @@ class ToolCall(Strict):
     function: FunctionCall
 
 
+# Roles whose turn is nothing without content (an assistant turn may be only tool calls,
+# and a template's own roles are the template's business).
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
 class ChatMessage(Strict):
     # OpenAI's roles, or any other the model's chat template knows (e.g. "ipython").
     role: Annotated[Text, Field(min_length=1, max_length=64)]
-    content: Text | list[TextPart] | None = None
+    # (checked when left out too: OpenAI refuses a system, user or tool turn without it)
+    content: Annotated[Text | list[TextPart] | None, Field(validate_default=True)] = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: Text | None = None  # a tool result: the call it answers
+
+    @field_validator("content")
+    @classmethod
+    def _content_where_needed(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role in CONTENT_REQUIRED:
+            raise ValueError(f"a {role} message needs content (a string or text parts)")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -92,11 +92,19 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
         ("completions", {"prompt": ""}, "prompt"),
         ("completions", {"prompt": ["a", ""]}, "prompt"),
         ("completions", {"prompt": [[1], []]}, "prompt"),
+        # a system, user or tool turn needs content (OpenAI's rule); null or left out
+        ("chat/completions", {"messages": [{"role": "user", "content": None}]},
+         "messages.0.content"),
+        ("chat/completions", {"messages": [{"role": "system", "content": "x"}, {"role": "user"}]},
+         "messages.1.content"),
+        ("chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c"}]},
+         "messages.0.content"),
     ],
     ids=[
         "bias-superscript", "bias-arabic-indic", "bias-double-minus", "bias-5000-digits",
         "top-logprobs-alone", "schema-without-its-type", "empty-prompt", "empty-in-batch",
-        "empty-ids-in-batch",
+        "empty-ids-in-batch", "user-content-null", "user-content-left-out",
+        "tool-content-left-out",
     ],
 )  # fmt: skip
 def test_fields_the_request_cannot_mean_are_a_400_naming_them(
