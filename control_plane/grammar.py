@@ -50,6 +50,8 @@ def grammar_text(spec: pb.StructuredOutput) -> str:
             schema = json.loads(spec.json_schema)
         except json.JSONDecodeError as e:
             raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("json_schema is nested too deeply") from None
         if not isinstance(schema, dict | bool):
             raise GrammarError("json_schema must be a JSON object")
         return _from_schema(schema)
@@ -118,9 +120,9 @@ class Grammars:
     def compile(self, spec: pb.StructuredOutput) -> llg.LLMatcher:
         """The pristine matcher of a spec (cached); GrammarError when it does not compile."""
         key = spec_key(spec)
-        if (m := self._cache.get(key)) is not None:
+        if (m := self._cache.get(key)) is not None and not m.is_error():
             self._cache.move_to_end(key)
-            return m
+            return m  # (compiled again once a copy failed: copies share the error)
         t0 = time.perf_counter()
         grammar = grammar_text(spec)
         error = llg.LLMatcher.validate_grammar(grammar, self.lltok)
@@ -139,13 +141,16 @@ class Grammars:
         """A request's own matcher, with the mask of its first token; `output`: tokens it
         already generated (a resumed request), consumed first (GrammarError if the
         grammar refuses one or is complete after them)."""
-        state = GrammarState(self.compile(spec).deep_copy(), self._size)
+        kind = spec.WhichOneof("kind") or ""
+        state = GrammarState(self.compile(spec).deep_copy(), self._size, spec_key(spec), kind)
         for token in output:
             if not state.matcher.consume_token(token):
                 raise GrammarError(f"the resumed output's token {token} breaks the grammar")
         if output and state.matcher.is_stopped():
             raise GrammarError("the resumed output already completes the grammar")
         self.advance([(state, None)])
+        if state.error:
+            raise GrammarError(f"{kind}: {state.error}")
         return state
 
     def advance(self, pairs: list[tuple[GrammarState, int | None]]) -> None:
@@ -157,7 +162,8 @@ class Grammars:
         live: list[GrammarState] = []
         for st, token in pairs:
             if token is not None and not st.matcher.consume_token(token):
-                st.dead = True  # a token the mask did not allow: cannot happen unless forced
+                if not self._failed(st):
+                    st.dead = True  # a token the mask did not allow: cannot happen unless forced
                 continue
             if st.matcher.is_stopped():
                 st.complete = True
@@ -175,21 +181,39 @@ class Grammars:
                 len(live),
             )
             for st, row in zip(live, masks, strict=True):
-                st.set_mask(row)
+                if not self._failed(st):
+                    st.set_mask(row)
         metrics.grammar_mask_seconds.observe(time.perf_counter() - t0)
+
+    def _failed(self, st: GrammarState) -> bool:
+        """Whether the matcher hit one of llguidance's limits (a lexer or parser too large,
+        a grammar that matches nothing): its mask then allows only EOS, which would end
+        the request as if the grammar were satisfied. The state records the error; the
+        cached matcher of its spec is dropped, as its copies share (and carry) the error."""
+        if not st.matcher.is_error():
+            return False
+        error = st.matcher.get_error().split("\n", 1)[0]
+        if error == "NoExtensionBias":  # (llguidance's name for it)
+            error = "no text can match the grammar"
+        st.error = error
+        st.dead = True
+        self._cache.pop(st.key, None)
+        return True
 
 
 class GrammarState:
     """One request's matcher and the mask of its next token (without request_id)."""
 
-    __slots__ = ("complete", "dead", "mask", "matcher", "size")
+    __slots__ = ("complete", "dead", "error", "key", "kind", "mask", "matcher", "size")
 
-    def __init__(self, matcher: llg.LLMatcher, size: int) -> None:
+    def __init__(self, matcher: llg.LLMatcher, size: int, key: bytes, kind: str) -> None:
         self.matcher = matcher
         self.size = size
+        self.key, self.kind = key, kind  # its spec's cache key and kind (json_schema, ...)
         self.mask: cpb.TokenMask | None = None
         self.complete = False  # the grammar is satisfied and takes no more tokens
         self.dead = False  # no token can continue it
+        self.error = ""  # the matcher failed (dead too): llguidance's message
 
     def set_mask(self, words: np.ndarray) -> None:
         self.mask = encode_mask(words, self.size)
@@ -198,8 +222,9 @@ class GrammarState:
 
     def copy(self) -> GrammarState:
         """For a request's other choices (n > 1)."""
-        other = GrammarState(self.matcher.deep_copy(), self.size)
+        other = GrammarState(self.matcher.deep_copy(), self.size, self.key, self.kind)
         other.mask, other.complete, other.dead = self.mask, self.complete, self.dead
+        other.error = self.error
         return other
 
 

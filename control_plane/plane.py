@@ -559,7 +559,14 @@ class ComputePlane:
         self.engine.grammars.advance([(r.grammar, t) for r, t in zip(reqs, tokens, strict=True)])
         for req in reqs:
             g = req.grammar
-            if g.dead:
+            if req.status.finished:  # another choice's grammar error failed its stream
+                continue
+            if g.error and (entry := self.engine.choices.get(req.request_id)) is not None:
+                n = req.num_output_tokens
+                message = f"{g.kind}: the grammar failed after {n} tokens: {g.error}"
+                failed = RequestFailed("INVALID_ARGUMENT", message)
+                self.engine._fail_stream(entry[0], failed)
+            elif g.dead:
                 sched.finish(req.request_id, Status.FINISHED_GRAMMAR)
             elif g.complete:
                 sched.finish(req.request_id, Status.FINISHED_STOPPED)

@@ -170,3 +170,23 @@ def test_a_token_the_mask_refused_makes_the_state_dead(
     state = grammars.start(pb.StructuredOutput(regex="[0-9]+"))
     grammars.advance([(state, tok.encode("a", add_special_tokens=False)[0])])
     assert state.dead
+
+
+def test_a_matcher_past_llguidance_limits_fails_each_time_not_as_a_stop(
+    grammars: Grammars, tok: TokenizerWrapper
+) -> None:
+    """Past its limits llguidance's matcher fails and then allows only EOS. The state says
+    so (error, dead), and the next request of the same spec fails the same way rather
+    than starting from the failed matcher its copies share (which allowed only EOS)."""
+    spec = pb.StructuredOutput(regex="a{1000000}")
+    for _ in range(2):
+        state = grammars.start(spec)
+        assert not state.error and state.mask is not None
+        (a_run,) = allowed_set(state.mask)  # the vocabulary's longest run of a's
+        assert set(tok.decode([a_run])) == {"a"}
+        grammars.advance([(state, a_run)])
+        assert state.dead and "too many expressions" in state.error
+    with pytest.raises(GrammarError, match="grammar: no text can match"):
+        grammars.start(pb.StructuredOutput(grammar="root ::= root"))
+    with pytest.raises(GrammarError, match="nested too deeply"):
+        grammars.compile(pb.StructuredOutput(json_schema='{"items":' * 5000 + "{}" + "}" * 5000))

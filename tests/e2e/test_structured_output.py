@@ -415,6 +415,19 @@ def test_free_requests_unchanged_by_constrained_neighbours(
             "Invalid type: nonsense",
         ),
         ({"extra_body": {"guided_whitespace_pattern": " "}}, "guided_whitespace_pattern", ""),
+        # Grammars past llguidance's limits: its matcher fails and then allows only EOS,
+        # which ended the request "stop" with output the grammar refuses (twice in a row:
+        # the cached matcher carried the failure). No text matches these two:
+        ({"extra_body": {"guided_grammar": "root ::= root"}}, "guided_grammar", "no text"),
+        ({"extra_body": {"guided_json": {"$ref": "#"}}}, "guided_json", "no text"),
+        # and these fail after a few tokens, mid-generation:
+        ({"extra_body": {"guided_regex": "a{1000000}"}}, "guided_regex", "too many"),
+        ({"extra_body": {"guided_regex": "a{1000000}"}}, "guided_regex", "too many"),
+        (
+            {"extra_body": {"guided_choice": [f"option {i}" for i in range(2100)]}},
+            "guided_choice",
+            "max is 2000",
+        ),
     ],
 )
 def test_bad_structured_requests_are_400(
