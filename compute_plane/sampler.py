@@ -161,7 +161,7 @@ def sample_on_device(
         )
     for i, s in enumerate(specs):
         if banned[i]:
-            logits[i, to_device(banned[i], torch.long, logits.device)] = -math.inf
+            _ban(logits[i], to_device(banned[i], torch.long, logits.device))
         if s.penalised:
             _apply_penalties(logits[i], s, prompt_token_ids[i], output_token_ids[i])
         if s.logit_bias:
@@ -213,6 +213,20 @@ def allowed_tokens(m: pb.TokenMask, vocab_size: int) -> torch.Tensor:
     return out
 
 
+def _ban(row: torch.Tensor, ids: torch.Tensor) -> None:
+    """In place: -inf at `ids` (EOS and stop ids before min_tokens), unless that leaves the
+    row nothing to sample (a grammar's mask allowing only those ids): then the mask wins,
+    rather than an argmax over all -inf picking token 0. Decided on the device (no sync)."""
+    banned = row.index_fill(0, ids, -math.inf)
+    row.copy_(torch.where(banned.isfinite().any(), banned, row))
+
+
+# Penalised logits are kept below this: far past any real logit, and still finite after
+# the division by the smallest temperature that is not greedy (a repetition penalty near
+# 0 divides a positive logit by it, and inf makes the softmax NaN).
+_MAX_PENALISED = 1e30
+
+
 def _apply_penalties(
     row: torch.Tensor, s: SamplingSpec, prompt: list[int], output: list[int]
 ) -> None:
@@ -230,6 +244,7 @@ def _apply_penalties(
         # (not bincount: on CUDA it reads the largest id back, waiting for the forward)
         counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
         row -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(row.dtype)
+    row.clamp_(max=_MAX_PENALISED)  # (-inf stays: banned and masked ids)
 
 
 def _filtered_probs(logits: torch.Tensor, specs: list[SamplingSpec]) -> torch.Tensor:

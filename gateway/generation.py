@@ -140,6 +140,11 @@ def constraining_field(req: SamplingFields) -> str | None:
     return None
 
 
+# The smallest normal float32. The proto's floats are 32-bit: a positive top_p or
+# repetition_penalty below float32's range would arrive as 0, which means "off" (1.0).
+_F32_TINY = 1.1754943508222875e-38
+
+
 def generation_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None
 ) -> pb.GenerationParams:
@@ -148,10 +153,10 @@ def generation_params(
         min_tokens=req.min_tokens,
         n=req.n,
         temperature=req.temperature,
-        top_p=req.top_p,
+        top_p=max(req.top_p, _F32_TINY),
         top_k=max(0, req.top_k),
         min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
+        repetition_penalty=max(req.repetition_penalty, _F32_TINY),
         frequency_penalty=req.frequency_penalty,
         presence_penalty=req.presence_penalty,
         stop=req.stop or [],

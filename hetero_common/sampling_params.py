@@ -9,12 +9,16 @@ from dataclasses import dataclass
 from hetero_common.limits import MAX_TOP_LOGPROBS
 from hetero_proto import compute_pb2 as pb
 
+# Below this temperature a row is sampled greedily (vLLM's _SAMPLING_EPS): dividing the
+# logits by a smaller one overflows float32 to inf, and the softmax of inf is NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingSpec:
     """Torch-free mirror of compute.proto SamplingParams."""
 
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (below GREEDY_BELOW_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
@@ -51,7 +55,7 @@ class SamplingSpec:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     @property
     def penalised(self) -> bool:

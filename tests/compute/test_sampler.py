@@ -266,6 +266,46 @@ def test_banned_ids_are_never_sampled() -> None:
         assert _batch(logits, specs, banned=[(0,), (0, 1)]).token_ids == [1, 2]
 
 
+def test_a_ban_that_would_leave_a_masked_row_nothing_yields_to_the_mask() -> None:
+    """A grammar allowing only a stop id that min_tokens bans: the mask wins (the stop id),
+    not an argmax over all -inf (token 0, outside the mask, logprob NaN)."""
+    spec = SamplingSpec(logprobs=True)
+    mask = pb.TokenMask(size=5, ids=[3])
+    for row_spec in (spec, SamplingSpec(temperature=1.0, seed=3, logprobs=True)):
+        out = sample(torch.tensor([LOGITS]), [row_spec], [[]], [[]], [0], [(3,)], [mask])
+        assert out.token_ids == [3]
+        assert out.logprobs == [pytest.approx(0.0)]  # the only token the mask allows
+    # A ban that leaves something still bans.
+    out = sample(torch.tensor([LOGITS]), [spec], [[]], [[]], [0], [(0,)], None)
+    assert out.token_ids == [1]
+
+
+def test_temperatures_below_the_greedy_threshold_are_greedy() -> None:
+    """1e-38 divided the logits into inf and the softmax into NaN: token 0 every time."""
+    logits = [[0.0, 1.0, 30.0, 2.0]]
+    for t in (1e-38, 1e-30, 9e-6):
+        spec = SamplingSpec(temperature=t, seed=5, logprobs=True)
+        assert spec.greedy
+        out = _batch(logits, [spec])
+        assert out.token_ids == [2] and out.logprobs is not None
+        assert math.isfinite(out.logprobs[0])
+    assert not SamplingSpec(temperature=1e-5).greedy
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+def test_a_repetition_penalty_near_zero_gives_finite_logprobs(temperature: float) -> None:
+    """Dividing a positive logit by 1e-38 overflowed to inf: NaN logprobs, token 0. The
+    penalised logits are bounded, so the seen token wins and everything stays finite."""
+    logits = [[0.5, 5.0, 30.0, 2.0]]
+    spec = SamplingSpec(
+        temperature=temperature, seed=1, repetition_penalty=1e-38, logprobs=True, top_logprobs=2
+    )
+    out = _batch(logits, [spec], prompt=[[1]])
+    assert out.token_ids == [1]  # 5.0 / 1e-38 (past float32's range) beats 30.0
+    assert out.logprobs is not None and math.isfinite(out.logprobs[0])
+    assert out.top_logprobs is not None and all(math.isfinite(x) for x in out.top_logprobs[0])
+
+
 def test_from_proto_maps_proto3_zeros_to_off() -> None:
     assert SamplingSpec.from_proto(pb.SamplingParams()) == SamplingSpec()
     assert SamplingSpec.from_proto(pb.SamplingParams(seed=0)).seed == 0

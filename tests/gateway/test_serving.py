@@ -270,6 +270,16 @@ def test_generation_config_defaults_fill_only_fields_left_out(
     assert params.top_p == pytest.approx(0.5)  # the request's own value wins
 
 
+def test_positive_values_below_float32_do_not_arrive_as_off(
+    client: TestClient, link: FakeLink
+) -> None:
+    """top_p and repetition_penalty travel as 32-bit floats, where 1e-50 is 0: "off" (1.0)."""
+    body = {"model": MODEL, "prompt": "Hi", "top_p": 1e-50, "repetition_penalty": 1e-50}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    params = link.mux.calls[-1].params
+    assert 0 < params.top_p < 1e-37 and 0 < params.repetition_penalty < 1e-37
+
+
 def test_a_batch_larger_than_the_waiting_queue_is_refused_before_any_call(
     client: TestClient, link: FakeLink
 ) -> None:
