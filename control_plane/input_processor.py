@@ -177,9 +177,8 @@ class InputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             for token in resumed:  # the client has their text
                 detok.push(token)
-            stream.choices.append(
-                Choice(
-                    i, req, detok, StopChecker(list(params.stop), params.include_stop_str_in_output)
-                )
-            )
+            # (resumed tokens count toward min_tokens: the client has their text)
+            unsearched = max(0, params.min_tokens - len(resumed))
+            stop = StopChecker(list(params.stop), params.include_stop_str_in_output, unsearched)
+            stream.choices.append(Choice(i, req, detok, stop))
         return stream

@@ -137,7 +137,7 @@ class GenerateStream:
         req = choice.request
         # The token that ended the request (EOS or a stop token) adds no text.
         ended_by_token = req.status is Status.FINISHED_STOPPED and isinstance(req.stop_reason, int)
-        push, feed = choice.detok.push, choice.stop.feed
+        push, feed = choice.detok.push, choice.stop.feed_token
         if not ended_by_token and not choice.stop.stop:  # the common case: only text
             return "".join(map(push, tokens)), len(tokens), None
         last = len(tokens) - 1

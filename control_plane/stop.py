@@ -2,18 +2,28 @@
 
 Text that could still be the start of a stop string is held back until it either
 completes a match (then it and everything after it are dropped) or cannot match.
+As vLLM's min_tokens: the text of a request's first min_tokens tokens is not searched.
 """
 
 from __future__ import annotations
 
 
 class StopChecker:
-    def __init__(self, stop: list[str], include: bool = False) -> None:
-        """`include`: keep the matched stop string at the end of the text."""
+    def __init__(self, stop: list[str], include: bool = False, min_tokens: int = 0) -> None:
+        """`include`: keep the matched stop string at the end of the text; `min_tokens`:
+        how many tokens' text (`feed_token`) passes unsearched."""
         self.stop = [s for s in stop if s]
         self.include = include
         self.held = ""
         self.stopped = False
+        self.unsearched = min_tokens
+
+    def feed_token(self, text: str) -> tuple[str, str | None]:
+        """`feed` for the text of one token (the first min_tokens pass as they are)."""
+        if self.unsearched > 0:
+            self.unsearched -= 1
+            return text, None
+        return self.feed(text)
 
     def feed(self, text: str) -> tuple[str, str | None]:
         """(text safe to emit, the stop string matched or None)."""

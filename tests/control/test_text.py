@@ -171,3 +171,23 @@ def test_stop_cases() -> None:
     assert _run_stops(["abcdef"], ["cd", "bc"]) == (["a"], "bc")  # earliest match wins
     assert _run_stops(["STOP", "x"], ["STOP"]) == ([""], "STOP")
     assert _run_stops(["ab", "c"], ["abd"]) == (["", "abc", ""], None)
+
+
+def test_stop_strings_are_not_searched_in_the_first_min_tokens() -> None:
+    """vLLM's min_tokens: a stop string in the text of the first min_tokens tokens does not
+    end the request; after them the search goes on as usual."""
+    tokens = ["Yes", ".", " It", " is", ".", " Done", "."]
+
+    def run(min_tokens: int) -> tuple[str, str | None]:
+        checker, out = StopChecker(["."], min_tokens=min_tokens), ""
+        for t in tokens:
+            emit, matched = checker.feed_token(t)
+            out += emit
+            if matched is not None:
+                return out, matched
+        return out + checker.flush(), None
+
+    assert run(0) == ("Yes", ".")
+    assert run(2) == ("Yes. It is", ".")  # the "." of token 2 is inside min_tokens
+    assert run(5) == ("Yes. It is. Done", ".")
+    assert run(7) == ("Yes. It is. Done.", None)

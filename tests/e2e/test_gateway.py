@@ -117,6 +117,33 @@ def test_stop_strings_in_streaming(client: openai.OpenAI, model: str) -> None:
     assert pieces[-1].finish_reason == "stop"
 
 
+def test_min_tokens_holds_stop_strings_back(
+    stack: FullStack, client: openai.OpenAI, model: str
+) -> None:
+    """As vLLM: a stop string in the first min_tokens tokens' text does not end the answer;
+    the first one after them does. Expected text from the same greedy answer without stop."""
+    prompt = "Q: What is 2 + 2?\nA: 4.\nQ: What is 3 + 3?\nA:"
+    full = client.completions.create(
+        model=model,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=40,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ).choices[0]
+    ids = full.token_ids  # type: ignore[attr-defined]
+    head = httpx.post(stack.url + "/detokenize", json={"tokens": ids[:6]}).json()["prompt"]
+    assert full.text.startswith(head) and "." in head  # a stop string inside min_tokens
+    for min_tokens, stream in ((0, False), (6, False), (6, True)):
+        kw = dict(model=model, prompt=prompt, temperature=0, max_tokens=40, stop=["."])
+        r = client.completions.create(
+            **kw, stream=stream, extra_body={"min_tokens": min_tokens, "ignore_eos": True}
+        )  # type: ignore[call-overload]
+        text = "".join(c.choices[0].text for c in r if c.choices) if stream else r.choices[0].text
+        searched_from = len(head) if min_tokens else 0
+        cut = full.text.find(".", searched_from)
+        assert text == full.text[:cut], (min_tokens, stream, text, full.text)
+
+
 def test_n_with_seed_and_logprobs_and_echo(client: openai.OpenAI, model: str) -> None:
     kw = dict(
         model=model, prompt="My favourite animal is", max_tokens=12, temperature=1.0, n=2, seed=123
