@@ -61,7 +61,7 @@ class InputProcessor:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             bad_id = next(t for t in prompt_ids if not 0 <= t < vocab)
             raise AdmissionError(
-                f"prompt token id {bad_id} is out of vocabulary (ids must be in 0..{vocab - 1}; "
+                f"prompt: token id {bad_id} is out of vocabulary (ids must be in 0..{vocab - 1}; "
                 f"the vocabulary has {vocab} tokens)"
             )
         if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:

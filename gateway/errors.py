@@ -84,7 +84,7 @@ def from_code(name: str, message: str) -> APIError:
 
 
 # Fields the control plane names at the start of its INVALID_ARGUMENT messages.
-_PARAMS = ("logit_bias", "stop_token_ids", "chat_template_kwargs", "tools_json")
+_PARAMS = ("logit_bias", "stop_token_ids", "chat_template_kwargs", "tools_json", "prompt")
 
 
 def _from_status(code: grpc.StatusCode, details: str | None) -> APIError:

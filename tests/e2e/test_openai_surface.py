@@ -365,6 +365,7 @@ def test_structured_outputs_spelling_and_vocabulary_messages(
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt=[49152], max_tokens=2)
     assert "out of vocabulary" in str(e.value)
+    assert e.value.body["param"] == "prompt"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(
             model=model, prompt="x", max_tokens=2, extra_body={"stop_token_ids": [49152]}
