@@ -206,14 +206,23 @@ async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
 
 async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
     errors = list(e.errors())
-    first = errors[0]  # names the field, as the client wrote it
-    # A union field reports each member's complaint; a value's own (a bad string in a
-    # list, a range) says more than "should be a valid string" from another member.
-    err = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), first)
+    # A union reports each member's complaint. The member that got furthest into the
+    # value (the longest loc: tool_choice's object form down to function.name) says most;
+    # on a tie, a complaint about a value the client sent beats one about a field it did
+    # not (missing, or extra to that member), and a value's own (a bad item, a range)
+    # beats "should be a valid string" from a member of another type.
+    err = max(
+        errors,
+        key=lambda x: (
+            len(x.get("loc", ())),
+            x.get("type") not in ("missing", "extra_forbidden"),
+            not str(x.get("type", "")).endswith("_type"),
+        ),
+    )
     if err.get("type") == "json_invalid":  # its loc is a byte offset, not a field
         reason = (err.get("ctx") or {}).get("error", "")
         return APIError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()
-    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _union_tag(x)]
+    loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_tag(x)]
     param = ".".join(loc) or None
     message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
     return APIError(400, f"{param}: {message}" if param else message, param=param).response()

@@ -129,3 +129,36 @@ def test_an_unexpected_exception_is_a_500_error_object_and_the_connection_lives(
         assert err["type"] == "internal_error" and "a bug" not in str(err["message"])
         assert r.headers["x-request-id"] == "req-1"
         assert c.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("route", "extra", "param", "needle"),
+    [
+        # a union's members each complain; the one that got furthest into the value says
+        # what is wrong (this said "should be 'none', 'auto' or 'required'")
+        ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": 5}}},
+         "tool_choice.function.name", "valid string"),
+        ("chat/completions", {"tool_choice": {"type": "function"}}, "tool_choice.function",
+         "required"),
+        ("chat/completions", {"tool_choice": "sometimes"}, "tool_choice", "'auto'"),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content.0.text", "required"),
+        ("completions", {"stop": ["a", 5]}, "stop.1", "valid string"),
+        ("completions", {"stop": "a" * 300}, "stop", "256"),
+        # (these said "prompt: Field required", a field of the other member)
+        ("tokenize", {"prompt": 5}, "prompt", "valid string"),
+        ("tokenize", {"messages": CHAT["messages"], "chat_template_kwargs": "x"},
+         "chat_template_kwargs", "dictionary"),
+    ],
+)  # fmt: skip
+def test_a_bad_value_in_a_union_is_named_where_it_is(
+    client: TestClient, route: str, extra: dict[str, object], param: str, needle: str
+) -> None:
+    if route == "tokenize":
+        r = client.post("/tokenize", json={"model": "m", **extra})
+    else:
+        base = CHAT if route.startswith("chat") else {"model": "m", "prompt": "x"}
+        r = client.post(f"/v1/{route}", json={**base, **extra})
+    err = _error(r, 400)
+    assert err["param"] == param, err
+    assert needle in str(err["message"]), err
