@@ -92,6 +92,10 @@ def _union_tag(loc: object) -> bool:
     return isinstance(loc, str) and (loc in ("str", "int", "float", "bool") or "[" in loc)
 
 
+# The read routes answer HEAD as GET does (HTTP's rule; probes and load balancers use it).
+READ = ["GET", "HEAD"]
+
+
 def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAPI:
     """The OpenAI API app; `link` (default: a gRPC ControlLink) is where requests go."""
     link = link or ControlLink(config)
@@ -120,16 +124,16 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     app.add_exception_handler(APIError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
-    app.get("/health")(_health)
-    app.get("/ready")(functools.partial(_ready, link))
-    app.get("/v1/models")(functools.partial(_models, link))
-    app.get("/v1/models/{model_id:path}")(functools.partial(_model, link))
+    app.api_route("/health", methods=READ)(_health)
+    app.api_route("/ready", methods=READ)(functools.partial(_ready, link))
+    app.api_route("/v1/models", methods=READ)(functools.partial(_models, link))
+    app.api_route("/v1/models/{model_id:path}", methods=READ)(functools.partial(_model, link))
     args = (link.model_name, link.mux, link.open, config.request_timeout, link.settings)
     app.post("/v1/completions", response_model=None)(_endpoint(CompletionServing(*args)))
     app.post("/v1/chat/completions", response_model=None)(_endpoint(ChatServing(*args)))
     app.post("/tokenize")(functools.partial(_tokenize, link))
     app.post("/detokenize")(functools.partial(_detokenize, link))
-    app.get("/version")(_version)
+    app.api_route("/version", methods=READ)(_version)
     return app
 
 

@@ -249,6 +249,10 @@ def test_models_and_ready(client: TestClient) -> None:
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
     assert client.get("/ready").json() == {"status": "ready", "model": MODEL}
     assert client.get("/health").json() == {"status": "ok"}
+    for path in ("/health", "/ready", "/v1/models", f"/v1/models/{MODEL}", "/version"):
+        head, get = client.head(path), client.get(path)  # HEAD answers as GET, no body
+        assert head.status_code == 200 and head.content == b"", path
+        assert head.headers["content-length"] == get.headers["content-length"], path
 
 
 def test_generation_config_defaults_fill_only_fields_left_out(
