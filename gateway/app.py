@@ -208,7 +208,7 @@ async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
     return response
 
 
-async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
     errors = list(e.errors())
     # A union reports each member's complaint. The member that got furthest into the
     # value (the longest loc: tool_choice's object form down to function.name) says most;
@@ -226,6 +226,14 @@ async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
     if err.get("type") == "json_invalid":  # its loc is a byte offset, not a field
         reason = (err.get("ctx") or {}).get("error", "")
         return APIError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()
+    if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "model_attributes_type":
+        # Not an object: JSON of another shape, or a body that was not read as JSON at
+        # all (`curl -d` sends it as a form).
+        message = "the body must be a JSON object"
+        kind = request.headers.get("content-type", "")
+        if "json" not in kind:
+            message += f", sent with Content-Type: application/json (not {kind or 'none'})"
+        return APIError(400, message).response()
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _union_tag(x)]
     param = ".".join(loc) or None
     message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")

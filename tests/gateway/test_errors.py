@@ -43,6 +43,26 @@ def test_unreadable_bodies(client: TestClient, raw: bytes) -> None:
 
 
 @pytest.mark.parametrize(
+    ("content_type", "needle"),
+    [
+        ("application/x-www-form-urlencoded", "(not application/x-www-form-urlencoded)"),
+        ("text/plain", "(not text/plain)"),
+        (None, "(not none)"),
+    ],
+)
+def test_a_body_not_sent_as_json_says_so(
+    client: TestClient, content_type: str | None, needle: str
+) -> None:
+    """`curl -d` sends the JSON as a form: the error says what to send instead."""
+    headers = {"content-type": content_type} if content_type else {}
+    body = b'{"model": "m", "prompt": "x"}'
+    err = _error(client.post("/v1/completions", content=body, headers=headers), 400)
+    assert "Content-Type: application/json" in str(err["message"]) and needle in str(err["message"])
+    err = _error(client.post("/v1/completions", json=[1, 2]), 400)
+    assert err["message"] == "the body must be a JSON object", err
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [("max_tokens", "16"), ("n", "2"), ("stream", "yes"), ("seed", True), ("temperature", "0")],
 )
