@@ -32,7 +32,7 @@ from gateway.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
-    TokenizeCompletionRequest,
+    TokenizeRequest,
 )
 from gateway.serving import ChatServing, CompletionServing, PlaneSettings
 from gateway.slow_clients import guarded_h11
@@ -137,9 +137,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     return app
 
 
-async def _tokenize(
-    link: ControlLink, body: TokenizeCompletionRequest | TokenizeChatRequest
-) -> dict[str, Any]:
+async def _tokenize(link: ControlLink, body: TokenizeRequest) -> dict[str, Any]:
     """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
     if body.model is not None:
         check_model(body.model, await link.model_name())

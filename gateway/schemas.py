@@ -6,14 +6,17 @@ Fields follow the OpenAI API reference; `top_k`, `min_p`, `repetition_penalty`,
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -26,16 +29,54 @@ INT32 = 2**31  # counts and token ids travel as int32 in control.proto
 TokenId = Annotated[int, Field(ge=0, lt=INT32)]
 
 
-def _encodable(v: str) -> str:
-    """JSON may spell lone UTF-16 surrogates ("\\ud800"); they are not text."""
+J = TypeVar("J")
+
+
+def _encodable(v: J) -> J:
+    """JSON may spell lone UTF-16 surrogates ("\\ud800"); they are not text, and the
+    tokenizer cannot take them. In free-form JSON (a schema, template variables) every
+    key and string is checked, wherever it nests."""
+    if (where := _lone_surrogate(v)) is not None:
+        raise ValueError(f"contains a lone UTF-16 surrogate {where}")
+    return v
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """Where a JSON value holds a lone surrogate ("at position N", then "of PATH" inside
+    an object or list), or None. A loop, not recursion: JSON text parsed from a string
+    field nests deeper than the body's own parser allows."""
+    todo: list[tuple[Any, str]] = [(value, "")]
+    while todo:
+        v, path = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"at position {e.start}" + (f" of {path}" if path else "")
+        elif isinstance(v, dict):
+            for key, item in v.items():
+                todo.append((item, f"{path}.{key}" if path else key))
+                # (pushed last, so checked first: an item's path never names a bad key)
+                todo.append((key, f"a key of {path or 'the object'}"))
+        elif isinstance(v, list):
+            todo.extend((item, f"{path}.{i}" if path else str(i)) for i, item in enumerate(v))
+    return None
+
+
+def _encodable_arguments(v: str) -> str:
+    """Tool-call arguments are JSON text that the control plane parses for the chat
+    template: a surrogate escaped in it becomes a lone one there."""
     try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"contains a lone UTF-16 surrogate at position {e.start}") from None
+        value = json.loads(v)
+    except (json.JSONDecodeError, RecursionError):
+        return v  # not JSON: the template gets the string as sent
+    _encodable(value)
     return v
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
+# Free-form JSON objects (schemas, template variables), checked all through.
+JSONObject = Annotated[dict[str, Any], AfterValidator(_encodable)]
 
 
 class Strict(BaseModel):
@@ -48,14 +89,14 @@ class Strict(BaseModel):
 class JsonSchemaFormat(Strict):
     name: Text
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JSONObject | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
 class StructuredOutputs(Strict):
     """vLLM's `structured_outputs` (the newer name of its guided_* fields): one of them."""
 
-    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    json_: JSONObject | Text | None = Field(default=None, alias="json")
     regex: Text | None = None
     choice: Annotated[list[Text], Field(min_length=1)] | None = None
     grammar: Text | None = None
@@ -102,7 +143,7 @@ class SamplingFields(Strict):
     stop_token_ids: list[TokenId] | None = None
     # Structured output: OpenAI's response_format, and vLLM's guided_* extensions.
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | Text | None = None
+    guided_json: JSONObject | Text | None = None
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: Text | None = None
@@ -172,7 +213,7 @@ class TextPart(Strict):
 
 class FunctionCall(Strict):
     name: Text
-    arguments: Text
+    arguments: Annotated[Text, AfterValidator(_encodable_arguments)]
 
 
 class ToolCall(Strict):
@@ -212,7 +253,7 @@ class ChatMessage(Strict):
 class FunctionDef(Strict):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
     strict: bool | None = None
 
 
@@ -242,8 +283,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False  # prepend the open final message (continue_final_message) to the answer
-    chat_template_kwargs: dict[str, Any] | None = None
-    documents: list[dict[str, Text]] | None = None  # RAG documents, for templates that use them
+    chat_template_kwargs: JSONObject | None = None
+    # RAG documents, for templates that use them
+    documents: list[Annotated[dict[str, Text], AfterValidator(_encodable)]] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -270,7 +312,21 @@ class TokenizeChatRequest(Strict):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     tools: list[Tool] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
+
+
+def _tokenize_kind(body: Any) -> str:
+    chat = isinstance(body, dict) and "messages" in body
+    return "TokenizeChatRequest" if chat else "TokenizeCompletionRequest"
+
+
+# Told apart by `messages`, so that an error names the field of the body's own kind
+# (tried as either, a bad chat body was blamed for its missing `prompt`).
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("TokenizeCompletionRequest")]
+    | Annotated[TokenizeChatRequest, Tag("TokenizeChatRequest")],
+    Discriminator(_tokenize_kind),
+]
 
 
 class DetokenizeRequest(Strict):

@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.schemas import ChatCompletionRequest
 
 JSON = {"content-type": "application/json"}
 
@@ -71,24 +72,66 @@ def test_types_are_strict(client: TestClient, field: str, value: object) -> None
     assert _error(client.post("/v1/completions", json=body), 400)["param"] == field
 
 
+USER = '{"role": "user", "content": "hi"}'
+TOOLS = (
+    '"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+    '"properties": {"a": {"type": "string", "description": "\\ud800"}}}}}]'
+)
+
+
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
-        ("completions", '{"model": "m", "prompt": "\\ud800"}', "prompt"),
-        ("completions", '{"model": "\\udfff", "prompt": "a"}', "model"),
-        ("completions", '{"model": "m", "prompt": "a", "stop": ["\\ud800x"]}', "stop"),
+        ("/v1/completions", '{"model": "m", "prompt": "\\ud800"}', "prompt"),
+        ("/v1/completions", '{"model": "\\udfff", "prompt": "a"}', "model"),
+        ("/v1/completions", '{"model": "m", "prompt": "a", "stop": ["\\ud800x"]}', "stop"),
         (
-            "chat/completions",
+            "/v1/chat/completions",
             '{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
             "messages.0.content",
         ),
+        # Free-form JSON: its keys and strings, however deep (they reached the tokenizer,
+        # which raised: a 500 that quoted it)
+        ("/v1/chat/completions", f'{{"model": "m", "messages": [{USER}], {TOOLS}}}',
+         "tools.0.function.parameters"),
+        ("/v1/chat/completions",
+         f'{{"model": "m", "messages": [{USER}], "chat_template_kwargs": {{"x": [{{"\\udc00": 1}}]}}}}',
+         "chat_template_kwargs"),
+        ("/v1/chat/completions",
+         f'{{"model": "m", "messages": [{USER}], "documents": [{{"\\ud800": "text"}}]}}',
+         "documents.0"),
+        ("/v1/completions", '{"model": "m", "prompt": "a", "guided_json": {"enum": ["\\ud800"]}}',
+         "guided_json"),
+        # tool-call arguments are JSON text: an escaped surrogate is one once parsed
+        ("/v1/chat/completions",
+         f'{{"model": "m", "messages": [{USER}, {{"role": "assistant", "tool_calls": [{{"id": "c", '
+         '"function": {"name": "f", "arguments": "{\\"a\\": \\"\\\\ud800\\"}"}}]}]}',
+         "messages.1.tool_calls.0.function.arguments"),
+        # /tokenize names the chat body's field (not the prompt it has no need of)
+        ("/tokenize", f'{{"messages": [{USER}], {TOOLS}}}', "tools.0.function.parameters"),
+        ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+         "messages.0.content"),
     ],
-)
+    ids=["prompt", "model", "stop", "content", "tool-parameters", "template-kwargs-key",
+         "document-key", "guided-json", "tool-call-arguments", "tokenize-tools",
+         "tokenize-content"],
+)  # fmt: skip
 def test_lone_surrogates_are_a_400(client: TestClient, route: str, body: str, param: str) -> None:
-    err = _error(client.post(f"/v1/{route}", content=body.encode(), headers=JSON), 400)
+    err = _error(client.post(route, content=body.encode(), headers=JSON), 400)
     assert str(err["param"]).startswith(param) and "surrogate" in str(err["message"])
     # The connection stays usable (no dropped keep-alive): the next request is answered.
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "arguments", ['{"a": "\\u00e9\\ud83d\\ude00"}', "not JSON \\ud800", "[" * 5000]
+)
+def test_tool_call_arguments_of_text_or_not_json_are_taken(arguments: str) -> None:
+    """Escaped text (a surrogate pair is text) passes; arguments that are not JSON go to
+    the template as sent, so their escapes are no surrogates."""
+    call = {"id": "c", "function": {"name": "f", "arguments": arguments}}
+    message = {"role": "assistant", "tool_calls": [call]}
+    ChatCompletionRequest.model_validate({"model": "m", "messages": [message]})
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
