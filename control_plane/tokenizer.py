@@ -28,7 +28,8 @@ _QWEN2_REGEX = (
 
 
 class TokenizerError(ValueError):
-    """The tokenizer files are missing or of a kind we cannot build."""
+    """The tokenizer files are missing or of a kind we cannot build, or an input is one
+    it cannot take (a text that is not Unicode, a chat for a model without a template)."""
 
 
 @cache
@@ -112,6 +113,7 @@ class TokenizerWrapper:
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        _check_unicode(text)
         # encode_batch releases the GIL (encode does not), so a long prompt tokenised in a
         # worker thread does not stall the event loop and every other request with it.
         ids = self.tok.encode_batch([text], add_special_tokens=False)[0].ids
@@ -162,6 +164,19 @@ class TokenizerWrapper:
             if tid is not None and (piece := self.tok.id_to_token(tid)):
                 out[name] = piece
         return out
+
+
+def _check_unicode(text: str) -> None:
+    """tokenizers refuses a lone UTF-16 surrogate with a TypeError. JSON can spell one
+    ("\\ud800"), so a chat's JSON fields (tools, template variables, documents, tool-call
+    arguments) can bring one into the rendered prompt: that is the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(
+            f"the input holds a lone UTF-16 surrogate at character {e.start} of the prompt, "
+            "which is not text"
+        ) from None
 
 
 def load_tokenizer(path: Path) -> TokenizerWrapper:

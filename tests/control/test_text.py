@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from control_plane.detokenizer import IncrementalDetokenizer
 from control_plane.stop import StopChecker
-from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -67,6 +67,24 @@ def test_chat_template_is_chatml(tok: TokenizerWrapper) -> None:
     assert (
         with_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
     )
+
+
+def test_a_lone_surrogate_is_the_clients_error(tok: TokenizerWrapper) -> None:
+    """A gRPC client's chat JSON (tools here) can spell a lone surrogate, which reaches
+    the rendered prompt; tokenizers raised a TypeError there (INTERNAL, or UNKNOWN from
+    Tokenize). It is a TokenizerError, so INVALID_ARGUMENT."""
+    import grpc
+
+    from control_plane.server import status_for
+
+    tools = json.loads(
+        '[{"type": "function", "function": {"name": "f", "description": "\\ud800"}}]'
+    )
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tools=tools)
+    for text in (prompt, "a\udfffb"):
+        with pytest.raises(TokenizerError, match="surrogate") as e:
+            tok.encode(text)
+        assert status_for(e.value) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_hf_folder_tokenizer(tmp_path: Path) -> None:
