@@ -150,19 +150,33 @@ def apply_defaults(body: Any, defaults: dict[str, Any]) -> None:
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`; if the client goes away first, cancel it (and so its gRPC calls)."""
+    """Run `work`; if the client goes away first, cancel it (and so its gRPC calls) and
+    raise APIError 499: the CancelledError that ended it, let out of the app, was logged
+    as an "Exception in ASGI application" and counted as a 500."""
     task = asyncio.ensure_future(work)
+    left = False
 
     async def watch() -> None:
+        nonlocal left
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
+                left = True
                 task.cancel()
                 return
 
     watcher = asyncio.create_task(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if not left or (current is not None and current.cancelling()):
+            raise  # cancelled from outside (the server stopping): not the client's doing
+        # nginx's status for a client gone before its response: nobody reads it, but the
+        # metrics and the trace count the request under it.
+        raise APIError(
+            499, "the client closed the connection", type="client_closed_request"
+        ) from None
     finally:
         watcher.cancel()
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import REGISTRY
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -25,11 +27,13 @@ PROMPT_IDS = [11, 12, 13]
 
 class FakeMux:
     """Answers each generate call with a scripted stream: admitted, then `pieces` as
-    deltas of every choice, then the usage; or fails it with `error`."""
+    deltas of every choice, then the usage; or fails it with `error`; or, with `hold`,
+    admits it and then sends nothing (a generation still under way)."""
 
     def __init__(self) -> None:
         self.pieces = ["Hel", "lo", "!"]
         self.error: APIError | None = None
+        self.hold = False
         self.calls: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
 
@@ -43,6 +47,8 @@ class FakeMux:
                 continue
             n = call.params.n or 1
             queue.put_nowait((i, pb.GenerateResponse(prompt_token_ids=PROMPT_IDS)))
+            if self.hold:
+                continue
             for k, text in enumerate(self.pieces):
                 last = k == len(self.pieces) - 1
                 resp = pb.GenerateResponse()
@@ -302,20 +308,16 @@ def test_a_batch_larger_than_the_waiting_queue_is_refused_before_any_call(
     assert client.post("/v1/completions", json=body).status_code == 200
 
 
-def test_a_client_leaving_during_a_send_cancels_its_calls_at_once(link: FakeLink) -> None:
-    """The disconnect lands while a chunk is being sent: the stream's calls are cancelled
-    before the response returns, not when the garbage collector (off here) or the
-    server's shutdown closes the suspended body generator."""
-    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
-    body = json.dumps({"model": MODEL, "prompt": "Hi", "stream": True}).encode()
-    scope = {
+def _post_scope(path: str, body: bytes) -> dict[str, Any]:
+    """The ASGI scope of a JSON POST, for driving the app without a client."""
+    return {
         "type": "http",
         "asgi": {"version": "3.0", "spec_version": "2.3"},
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/v1/completions",
-        "raw_path": b"/v1/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
         "headers": [
@@ -325,6 +327,15 @@ def test_a_client_leaving_during_a_send_cancels_its_calls_at_once(link: FakeLink
         "client": ("127.0.0.1", 40000),
         "server": ("127.0.0.1", 8000),
     }
+
+
+def test_a_client_leaving_during_a_send_cancels_its_calls_at_once(link: FakeLink) -> None:
+    """The disconnect lands while a chunk is being sent: the stream's calls are cancelled
+    before the response returns, not when the garbage collector (off here) or the
+    server's shutdown closes the suspended body generator."""
+    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "stream": True}).encode()
+    scope = _post_scope("/v1/completions", body)
     chunks: list[bytes] = []
 
     async def run() -> list[str]:
@@ -355,3 +366,42 @@ def test_a_client_leaving_during_a_send_cancels_its_calls_at_once(link: FakeLink
         gc.enable()
     assert len([c for c in chunks if c]) == 1  # the stream stopped at the disconnect
     assert cancelled == ["r0"]
+
+
+def test_a_client_leaving_before_its_response_is_a_499_not_an_error(
+    link: FakeLink, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A non-streamed request whose client leaves mid-generation: its calls are
+    cancelled, and it is counted under nginx's 499 (client closed request). The metrics
+    middleware raised "No response returned" (logged as an ASGI exception, counted 500)."""
+    link.mux.hold = True  # the generation goes on until cancelled
+    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
+    body = json.dumps({"model": MODEL, "prompt": "Tell a story", "max_tokens": 300}).encode()
+
+    def counted(status: str) -> float:
+        labels = {"route": "/v1/completions", "status": status}
+        return REGISTRY.get_sample_value("hetero_http_requests_total", labels) or 0.0
+
+    before = {status: counted(status) for status in ("499", "500")}
+
+    async def run() -> list[str]:
+        requested = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal requested
+            if not requested:
+                requested = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(0.05)  # the generation is under way
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            return None  # nobody is there to read it
+
+        await app(_post_scope("/v1/completions", body), receive, send)
+        return list(link.mux.cancelled)
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(run()) == ["r0"]
+    assert counted("499") == before["499"] + 1 and counted("500") == before["500"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
