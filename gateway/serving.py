@@ -537,7 +537,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
         st = call.tool_streams.get(d.index)
         if st is None:
             st = call.tool_streams[d.index] = ToolStream(
-                {t.function.name for t in body.tools or ()}
+                {t.function.name for t in body.tools or ()}, body.parallel_tool_calls
             )
         out: list[dict[str, Any]] = []
         text = st.feed(c.text)
@@ -581,7 +581,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
             message: dict[str, Any] = {"role": "assistant", "content": echo + st.text}
             reason = FINISH.get(st.finish_reason)
             if names is not None:
-                content, calls = tool_calls.parse(st.text, names)
+                content, calls = tool_calls.parse(st.text, names, body.parallel_tool_calls)
                 if calls:
                     if content is None and tool_calls.forced(body) is not None:
                         content = ""  # a forced call has no text (vLLM answers "")

@@ -128,8 +128,17 @@ def _calls(value: Any, names: set[str]) -> list[dict[str, Any]] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-def parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls). Text that is not a well-formed call stays content."""
+def parse(
+    text: str, names: set[str], parallel: bool = True
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls). Text that is not a well-formed call stays content. Not
+    `parallel` (OpenAI's parallel_tool_calls false: at most one call a turn): the first
+    call alone, the model's others dropped."""
+    content, calls = _parse(text, names)
+    return content, calls if parallel else calls[:1]
+
+
+def _parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
     if OPEN in text:
         head, calls, rest = text.split(OPEN, 1)[0], [], text[text.index(OPEN) :]
         while rest.startswith(OPEN):
@@ -163,6 +172,7 @@ class ToolStream:
     from there the text is held and parsed when the choice ends."""
 
     names: set[str]
+    parallel: bool = True  # as parse's
     text: str = ""
     sent: int = 0  # characters of `text` streamed as content
     holding: bool = False
@@ -193,7 +203,7 @@ class ToolStream:
     def finish(self) -> str:
         """At the end: the calls (in `calls`), and what is left of the content."""
         rest = self.text[self.sent :]
-        content, self.calls = parse(rest, self.names)
+        content, self.calls = parse(rest, self.names, self.parallel)
         if self.calls:
             # Content before the block went out already; what parse kept is the head.
             return (content or "") if self.sent == 0 else ""

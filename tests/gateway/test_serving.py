@@ -229,6 +229,42 @@ def test_a_control_plane_error_is_an_openai_error(
         assert r.headers["retry-after"] == "1"
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {}}},
+    }
+]
+# Two calls in the bundled SmolLM2's format (a list in one block), cut across deltas.
+TWO_CALLS = [
+    '<tool_call>[{"name": "add", "arguments": {"a": 1}}, ',
+    '{"name": "add", "arguments": {"a": 2}}]</tool_call>',
+]
+
+
+@pytest.mark.parametrize(("parallel", "calls"), [(True, 2), (False, 1)])
+def test_parallel_tool_calls_false_returns_the_first_call_alone(
+    client: TestClient, link: FakeLink, parallel: bool, calls: int
+) -> None:
+    """With tool_choice auto nothing constrains the model: when it writes two calls,
+    parallel_tool_calls false (OpenAI: at most one) gives the first."""
+    link.mux.pieces = TWO_CALLS
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "1 + 1, 2 + 2?"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": parallel,
+    }
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    args = [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert args == [{"a": 1}, {"a": 2}][:calls] and message["content"] is None
+    streamed = _events(client.post("/v1/chat/completions", json=body | {"stream": True}).text)
+    deltas = [tc for c in streamed for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [json.loads(tc["function"]["arguments"]) for tc in deltas] == args
+    assert [tc["index"] for tc in deltas] == list(range(calls))
+
+
 def test_wrong_model_is_404(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"model": "other", "prompt": "Hi"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
