@@ -182,10 +182,10 @@ def generation_params(
         p.logit_bias[token] = bias
     if req.seed is not None:
         p.seed = req.seed % (1 << 64)
-    if req.prompt_logprobs is not None:
-        p.prompt_logprobs = req.prompt_logprobs
-    elif isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
-        p.prompt_logprobs = req.logprobs  # echo's prompt tokens get logprobs too
+    # echo's prompt tokens get logprobs too: the larger count, each output trims to its own
+    echoed = req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
+    if asked := [k for k in (req.prompt_logprobs, echoed) if k is not None]:
+        p.prompt_logprobs = max(asked)
     if (spec := structured_output(req)) is not None:
         p.structured.CopyFrom(spec)
     return p

@@ -60,7 +60,11 @@ def usage_json(u: pb.Usage) -> dict[str, Any]:
     return out
 
 
-def completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    lps: list[pb.TokenLogprob], offset: int, top: int | None = None
+) -> dict[str, Any]:
+    """`top`: at most this many alternatives per token (prompt logprobs come with as many
+    as the larger of logprobs and prompt_logprobs)."""
     tokens, offsets = [], []
     for lp in lps:
         offsets.append(offset)
@@ -71,20 +75,24 @@ def completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict[str, An
         "token_logprobs": [lp.logprob for lp in lps],
         # The sampled token's entry is always there (so logprobs: 0 gives it alone), as vLLM.
         "top_logprobs": [
-            {lp.token: lp.logprob, **{t.token: t.logprob for t in lp.top_logprobs}} for lp in lps
+            {lp.token: lp.logprob, **{t.token: t.logprob for t in lp.top_logprobs[:top]}}
+            for lp in lps
         ],
         "text_offset": offsets,
     }
 
 
-def vllm_prompt_logprobs(lps: list[pb.TokenLogprob]) -> list[dict[str, Any] | None]:
+def vllm_prompt_logprobs(
+    lps: list[pb.TokenLogprob], top: int | None
+) -> list[dict[str, Any] | None]:
     """vLLM's prompt_logprobs: None for the first prompt token, then per token a dict of
-    token id -> {logprob, rank, decoded_token}: the prompt token and the most likely ones."""
+    token id -> {logprob, rank, decoded_token}: the prompt token and the `top` most likely
+    ones."""
     out: list[dict[str, Any] | None] = [None]
     for lp in lps:
         entry = {
             str(t.token_id): {"logprob": t.logprob, "rank": k + 1, "decoded_token": t.token}
-            for k, t in enumerate(lp.top_logprobs)
+            for k, t in enumerate(lp.top_logprobs[:top])
         }
         entry[str(lp.token_id)] = {
             "logprob": lp.logprob,
@@ -95,10 +103,10 @@ def vllm_prompt_logprobs(lps: list[pb.TokenLogprob]) -> list[dict[str, Any] | No
     return out
 
 
-def echo_logprobs(first: str, lps: list[pb.TokenLogprob]) -> dict[str, Any]:
+def echo_logprobs(first: str, lps: list[pb.TokenLogprob], top: int | None) -> dict[str, Any]:
     """Completions' logprobs of an echoed prompt: its first token has none (nothing
-    precedes it), the others theirs, from offset 0."""
-    body = completion_logprobs(lps, len(first))
+    precedes it), the others theirs (`top` alternatives), from offset 0."""
+    body = completion_logprobs(lps, len(first), top)
     return {
         "tokens": [first, *body["tokens"]],
         "token_logprobs": [None, *body["token_logprobs"]],
@@ -362,7 +370,8 @@ class Serving(Generic[Body]):
         """return_token_ids: each delta's tokens; a choice's first chunk, its prompt's.
         prompt_logprobs: on the chunk of the delta that carries them."""
         if d.choice.prompt_logprobs and call.body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(list(d.choice.prompt_logprobs))
+            plps = list(d.choice.prompt_logprobs)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(plps, call.body.prompt_logprobs)
         if not call.body.return_token_ids:
             return
         choice["token_ids"] = list(d.choice.token_ids)
@@ -434,7 +443,8 @@ class CompletionServing(Serving[CompletionRequest]):
         if call.echo and d.index not in call.echoed:  # echo with logprobs, streamed
             call.echoed.add(d.index)
             text = call.echo[prompt] + text
-            head = echo_logprobs(call.first_tokens[prompt], call.prompt_lps.get(prompt, []))
+            plps = call.prompt_lps.get(prompt, [])
+            head = echo_logprobs(call.first_tokens[prompt], plps, body.logprobs)
             call.offsets[d.index] = len(call.echo[prompt])
         if body.logprobs is not None:
             at = call.offsets.get(d.index, 0)
@@ -466,7 +476,7 @@ class CompletionServing(Serving[CompletionRequest]):
                 lp = completion_logprobs(st.logprobs, len(prefix))
                 if body.echo:
                     first = await self.first_token(prompts[idx // body.n])
-                    lp = join_logprobs(echo_logprobs(first, plps), lp)
+                    lp = join_logprobs(echo_logprobs(first, plps, body.logprobs), lp)
             reason = FINISH.get(st.finish_reason)
             want_ids, want_plps = body.return_token_ids, body.prompt_logprobs is not None
             choice = {
@@ -476,7 +486,9 @@ class CompletionServing(Serving[CompletionRequest]):
                 "finish_reason": reason,
                 "stop_reason": st.stop_reason,
                 # vLLM's extensions, null unless asked for
-                "prompt_logprobs": vllm_prompt_logprobs(plps) if want_plps else None,
+                "prompt_logprobs": (
+                    vllm_prompt_logprobs(plps, body.prompt_logprobs) if want_plps else None
+                ),
                 "prompt_token_ids": prompts[idx // body.n] if want_ids else None,
                 "token_ids": st.token_ids if want_ids else None,
             }
@@ -600,7 +612,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
         out["object"] = "chat.completion"
         out["prompt_token_ids"] = prompts[0] if body.return_token_ids else None
         out["prompt_logprobs"] = (
-            vllm_prompt_logprobs(states[0].prompt_logprobs)
+            vllm_prompt_logprobs(states[0].prompt_logprobs, body.prompt_logprobs)
             if body.prompt_logprobs is not None
             else None
         )

@@ -25,10 +25,27 @@ MODEL = "tiny-model"
 PROMPT_IDS = [11, 12, 13]
 
 
+def prompt_logprobs(top: int) -> list[pb.TokenLogprob]:
+    """Prompt tokens 1.. with `top` alternatives each, none of them the token itself."""
+    return [
+        pb.TokenLogprob(
+            token_id=t,
+            token=f"p{t}",
+            logprob=-3.0,
+            rank=top + 1,
+            top_logprobs=[
+                pb.TopLogprob(token_id=200 + j, token=f"a{j}", logprob=-0.5 - j) for j in range(top)
+            ],
+        )
+        for t in PROMPT_IDS[1:]
+    ]
+
+
 class FakeMux:
     """Answers each generate call with a scripted stream: admitted, then `pieces` as
-    deltas of every choice, then the usage; or fails it with `error`; or, with `hold`,
-    admits it and then sends nothing (a generation still under way)."""
+    deltas of every choice (the first with the prompt's logprobs when asked), then the
+    usage; or fails it with `error`; or, with `hold`, admits it and then sends nothing
+    (a generation still under way)."""
 
     def __init__(self) -> None:
         self.pieces = ["Hel", "lo", "!"]
@@ -56,6 +73,8 @@ class FakeMux:
                     d = resp.choices.add(index=c, text=text, token_ids=[100 + k])
                     if call.params.logprobs:
                         d.logprobs.add(token_id=100 + k, token=text, logprob=-0.25)
+                    if k == 0 and c == 0 and call.params.HasField("prompt_logprobs"):
+                        d.prompt_logprobs.extend(prompt_logprobs(call.params.prompt_logprobs))
                     if last:
                         d.finish_reason = pb.FINISH_REASON_LENGTH
                 if last:
@@ -70,6 +89,14 @@ class FakeMux:
 
     async def close(self) -> None:
         return None
+
+
+class FakeStub:
+    """The control plane's unary calls the gateway makes while serving: Detokenize (each
+    id as "t<id>")."""
+
+    async def Detokenize(self, req: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
+        return pb.DetokenizeResponse(text="".join(f"t{i}" for i in req.token_ids))
 
 
 class FakeLink:
@@ -88,8 +115,8 @@ class FakeLink:
     async def info(self, timeout: float = 2.0) -> pb.ModelInfoResponse:
         return pb.ModelInfoResponse(model_name=MODEL, max_model_len=2048, compute_attached=True)
 
-    def open(self) -> Any:
-        raise AssertionError("no gRPC stub in these tests")
+    def open(self) -> FakeStub:
+        return FakeStub()
 
     async def start(self) -> None:
         return None
@@ -285,6 +312,34 @@ def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
     assert call.params.HasField("prompt_logprobs") and call.params.prompt_logprobs == 3
     (plain,) = completion_calls(CompletionRequest.model_validate({**body, "echo": False}))
     assert not plain.params.HasField("prompt_logprobs")
+
+
+@pytest.mark.parametrize(("logprobs", "prompt_logprobs"), [(1, 3), (3, 1), (2, None)])
+def test_echoed_logprobs_and_prompt_logprobs_each_get_their_own_count(
+    client: TestClient, link: FakeLink, logprobs: int, prompt_logprobs: int | None
+) -> None:
+    """echo + logprobs N + prompt_logprobs M: the control plane is asked for max(N, M)
+    alternatives; the echoed tokens' top_logprobs hold N (+ the token), vLLM's
+    prompt_logprobs M (+ the token). The echoed ones had M."""
+    body = {"model": MODEL, "prompt": "Hi", "echo": True, "logprobs": logprobs}
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    for stream in (False, True):
+        r = client.post("/v1/completions", json=body | {"stream": stream})
+        assert link.mux.calls[-1].params.prompt_logprobs == max(logprobs, prompt_logprobs or 0)
+        choices = (
+            [c["choices"][0] for c in _events(r.text) if c["choices"]]
+            if stream
+            else r.json()["choices"]
+        )
+        first = next(c for c in choices if c["logprobs"])
+        echoed = first["logprobs"]["top_logprobs"][: len(PROMPT_IDS)]
+        assert echoed[0] is None and [len(x) for x in echoed[1:]] == [logprobs + 1] * 2
+        plps = next((c["prompt_logprobs"] for c in choices if c.get("prompt_logprobs")), None)
+        if prompt_logprobs is None:
+            assert plps is None
+        else:
+            assert plps[0] is None and [len(x) for x in plps[1:]] == [prompt_logprobs + 1] * 2
 
 
 def test_models_and_ready(client: TestClient) -> None:
