@@ -242,7 +242,9 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         call = _ManyCall(self)
         reader = asyncio.create_task(call.read(request_iterator))
         try:
-            while call.reading or call.running or call.starting:
+            # A refused start leaves `starting` before its error is written: the outbox
+            # must be empty too, or the call could end with that error unsent.
+            while call.reading or call.running or call.starting or not call.outbox.empty:
                 messages, ended = await call.outbox.take()
                 if call.broken is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"GenerateMany: {call.broken}")

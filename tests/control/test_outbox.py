@@ -4,13 +4,16 @@ the steps produced, in order, however the writer's takes fall between the steps.
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from control_plane.server import CallOutbox, _ManyCall
+from control_plane.scheduler import AdmissionError
+from control_plane.server import CallOutbox, ControlServicer, _ManyCall
 from hetero_common.packed import packed_responses
 from hetero_proto import control_pb2 as pb
 
@@ -149,5 +152,36 @@ def test_a_request_that_took_a_cancelled_ones_id_stays_tracked() -> None:
         _, ended = await box.take()
         call.forget(ended)
         assert call.running == {}
+
+    asyncio.run(go())
+
+
+def test_a_refusal_after_the_client_stopped_sending_is_still_written() -> None:
+    """GenerateMany: the client sent its last start and half-closed, and that request is
+    refused while the call's writer is still sending an earlier message. The call ends
+    only after the refusal is written, not with it left in the outbox."""
+
+    async def go() -> None:
+        release = threading.Event()
+
+        def prompt_ids(request: pb.GenerateRequest) -> list[int]:
+            if request.request_id == "late":
+                release.wait(10)
+            raise AdmissionError(f"{request.request_id} refused")
+
+        servicer = ControlServicer(SimpleNamespace(tokenizer=None), "m")  # type: ignore[arg-type]
+        servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
+
+        async def starts() -> AsyncIterator[pb.GenerateManyRequest]:
+            for rid in ("early", "late"):
+                yield pb.GenerateManyRequest(start=pb.GenerateRequest(request_id=rid))
+
+        call = servicer.GenerateMany(starts(), None)  # type: ignore[arg-type]
+        first = await anext(call)  # the writer now waits at this message's yield
+        release.set()
+        await asyncio.sleep(0.2)  # "late" is refused meanwhile
+        rest = [m async for m in call]
+        written = [e.request_id for m in [first, *rest] for e in m.errors]
+        assert written == ["early", "late"]
 
     asyncio.run(go())
