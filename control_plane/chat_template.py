@@ -73,6 +73,19 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def check_tools(tools: list[Any]) -> None:
+    """Each tool is OpenAI's shape, as templates and the tool prompt read it:
+    {"type": "function", "function": {"name": <string>, ...}}."""
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not (
+            isinstance(fn, dict) and t.get("type") == "function" and isinstance(fn.get("name"), str)
+        ):
+            raise ChatTemplateError(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": <string>}}}}'
+            )
+
+
 def uses_tools(template: str) -> bool:
     """Whether a chat template renders the `tools` it is given."""
     return "tools" in template
@@ -97,6 +110,7 @@ def render_chat(
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message and add_generation_prompt are exclusive")
     msgs = normalise_messages(messages)
+    check_tools(tools or [])
     if tools and not uses_tools(template):
         msgs = with_tool_prompt(msgs, tools)
     elif not uses_tools(template):
@@ -151,7 +165,7 @@ def with_tool_prompt(
     messages: list[dict[str, Any]], tools: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """The tools in a system message (before the caller's system text, if any)."""
-    functions = [t.get("function", t) for t in tools]
+    functions = [t["function"] for t in tools]
     prompt = TOOL_PROMPT.format(tools=json.dumps(functions, ensure_ascii=False))
     msgs = [_calls_as_text(m) for m in messages]
     if msgs and msgs[0]["role"] == "system":

@@ -179,3 +179,22 @@ def test_documents_and_custom_roles_render_as_transformers() -> None:
     ours = render_chat(t, msgs, False, "", "", kwargs={"documents": docs})
     theirs = _hf(t, "", "</s>").apply_chat_template(msgs, documents=docs, tokenize=False)
     assert ours == theirs and "[B] beta" in ours and "<ipython>x" in ours
+
+
+@pytest.mark.parametrize(
+    "name", ["Qwen-Qwen2.5-7B-Instruct.jinja", "HuggingFaceTB-SmolLM2-135M-Instruct.jinja"]
+)  # a template that renders tools, and one that gets them in the tool prompt
+@pytest.mark.parametrize(
+    ("tools", "index"),
+    [
+        ([1], 0),
+        ([{"function": 5}], 0),
+        ([{"function": {"name": "f"}}], 0),  # no "type"
+        ([{"type": "retrieval", "function": {"name": "f"}}], 0),
+        ([{"type": "function", "function": {"name": 5}}], 0),
+        ([TOOLS[0], {"type": "function"}], 1),
+    ],
+)
+def test_a_tool_not_of_openais_shape_is_refused(name: str, tools: list[Any], index: int) -> None:
+    with pytest.raises(ChatTemplateError, match=rf"tools\[{index}\] must be"):
+        render_chat((TEMPLATES / name).read_text(), CHATS["user"], True, "", "", tools)

@@ -24,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from hetero_infer.local import free_port, stop_process, wait_http_ready
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import compute_pb2_grpc as cpb_grpc
+from hetero_proto import control_pb2 as pb
+from hetero_proto import control_pb2_grpc as pb_grpc
 from tests.procs import FullStack, control_stack, gateway
 
 pytestmark = pytest.mark.slow
@@ -91,6 +93,51 @@ def test_the_poison_request_is_a_400_at_once(stack: FullStack, model: str) -> No
     _openai_error(r)
     assert "stop_token_ids" in r.json()["error"]["message"]
     assert _compute_stats(stack).num_resets == 0
+    _served(stack, model)
+
+
+# ------------------------------------------------------------ gRPC clients
+HI = [pb.ChatMessage(role="user", content="Hi")]
+TOOL = '{"type": "function", "function": {"name": "f"}}'
+# Inputs the control plane refuses, by what its message says.
+BAD_INPUTS: dict[str, dict[str, Any]] = {
+    "tools[0] must be": {"chat": pb.ChatInput(messages=HI, tools_json="[1]")},
+    "tools[1] must be": {
+        "chat": pb.ChatInput(messages=HI, tools_json=f'[{TOOL}, {{"function": 5}}]')
+    },
+}
+
+
+def _refusal(call: Any, request: Any) -> tuple[str, str]:
+    """The status code's name and the message of a call that must fail."""
+    with pytest.raises(grpc.RpcError) as e:
+        reply = call(request, timeout=60)
+        if isinstance(reply, Iterator):  # a streamed reply fails when read
+            list(reply)
+    return e.value.code().name, e.value.details() or ""
+
+
+def test_bad_grpc_input_is_invalid_argument_on_every_rpc(stack: FullStack, model: str) -> None:
+    """Each bad input is INVALID_ARGUMENT naming its problem (not UNKNOWN with a trace)
+    from Generate, from GenerateMany (its RequestError) and from Tokenize; the stack
+    goes on serving."""
+    calls = {k: {**v, "params": pb.GenerationParams(max_tokens=2)} for k, v in BAD_INPUTS.items()}
+    with grpc.insecure_channel(stack.control) as ch:
+        stub = pb_grpc.ControlPlaneStub(ch)
+        for needle, fields in calls.items():
+            code, message = _refusal(stub.Generate, pb.GenerateRequest(**fields))
+            assert code == "INVALID_ARGUMENT" and needle in message, (needle, code, message)
+        for needle, fields in BAD_INPUTS.items():
+            code, message = _refusal(stub.Tokenize, pb.TokenizeRequest(**fields))
+            assert code == "INVALID_ARGUMENT" and needle in message, (needle, code, message)
+        starts = [
+            pb.GenerateManyRequest(start=pb.GenerateRequest(request_id=needle, **fields))
+            for needle, fields in calls.items()
+        ]
+        errors = [e for m in stub.GenerateMany(iter(starts), timeout=60) for e in m.errors]
+    # (each request's id is what its message must say)
+    got = {e.request_id: (e.code, e.request_id in e.message) for e in errors}
+    assert got == dict.fromkeys(calls, ("INVALID_ARGUMENT", True))
     _served(stack, model)
 
 
