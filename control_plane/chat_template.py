@@ -166,7 +166,7 @@ def with_tool_prompt(
 ) -> list[dict[str, Any]]:
     """The tools in a system message (before the caller's system text, if any)."""
     functions = [t["function"] for t in tools]
-    prompt = TOOL_PROMPT.format(tools=json.dumps(functions, ensure_ascii=False))
+    prompt = TOOL_PROMPT.format(tools=_dumps(functions, "tools"))
     msgs = [_calls_as_text(m) for m in messages]
     if msgs and msgs[0]["role"] == "system":
         first = dict(msgs[0], content=prompt + "\n\n" + msgs[0]["content"])
@@ -183,5 +183,14 @@ def _calls_as_text(m: dict[str, Any]) -> dict[str, Any]:
         {"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})}
         for c in calls
     ]
-    text = "<tool_call>" + json.dumps(listed, ensure_ascii=False) + "</tool_call>"
+    text = "<tool_call>" + _dumps(listed, "tool call arguments") + "</tool_call>"
     return {**m, "content": (m.get("content") or "") + text}
+
+
+def _dumps(value: Any, what: str) -> str:
+    """The request's `what` as JSON text. JSON that parsed can still be too deep to write
+    from further down the stack: the request's fault, not ours."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except RecursionError:
+        raise ChatTemplateError(f"{what} nested too deeply") from None

@@ -9,7 +9,6 @@ UNAVAILABLE while those in flight finish (up to --drain-timeout), then the proce
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -48,6 +47,14 @@ def status_for(e: BaseException) -> grpc.StatusCode | None:
     if isinstance(e, RequestFailed):
         return getattr(grpc.StatusCode, e.code, grpc.StatusCode.INTERNAL)
     return next((code for kind, code in _STATUS.items() if isinstance(e, kind)), None)
+
+
+async def _abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
+    """End the call with the status of an error of the caller's; raise any other (a bug)."""
+    code = status_for(e)
+    if code is None:
+        raise e
+    await context.abort(code, str(e))
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
@@ -216,10 +223,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 traceparent=request.traceparent or _metadata(context, "traceparent"),
             )
         except Exception as e:
-            code = status_for(e)
-            if code is None:
-                raise
-            await context.abort(code, str(e))
+            await _abort(context, e)
         try:
             while True:
                 item = await stream.queue.get()
@@ -265,8 +269,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 )
             else:
                 ids = await asyncio.to_thread(self._prompt_ids, request, False)
-        except (AdmissionError, TokenizerError, ChatTemplateError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            await _abort(context, e)
         sched = self.engine.scheduler
         return pb.TokenizeResponse(
             token_ids=ids, count=len(ids), max_model_len=sched.max_model_len if sched else 0
@@ -511,9 +515,21 @@ def _json(text: str, name: str, kind: type[list[Any]] | type[dict[str, Any]]) ->
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise AdmissionError(f"{name} is not valid JSON: {e}") from None
+    except RecursionError:  # deeper than Python's stack: the request's fault, not ours
+        raise AdmissionError(f"{name} is nested too deeply") from None
     if not isinstance(value, kind):
         raise AdmissionError(f"{name} must be a JSON {'list' if kind is list else 'object'}")
     return value
+
+
+def _arguments(text: str, i: int) -> Any:
+    """A tool call's arguments as an object when they are JSON, else the string as sent."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    except RecursionError:
+        raise AdmissionError(f"messages[{i}].tool_calls: arguments nested too deeply") from None
 
 
 def chat_messages(chat: pb.ChatInput) -> list[dict[str, Any]]:
@@ -533,8 +549,7 @@ def chat_messages(chat: pb.ChatInput) -> list[dict[str, Any]]:
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                     raise AdmissionError(f"messages[{i}].tool_calls: each needs function.name")
                 if isinstance(fn.get("arguments"), str):
-                    with contextlib.suppress(json.JSONDecodeError):  # else: the string as sent
-                        fn["arguments"] = json.loads(fn["arguments"])
+                    fn["arguments"] = _arguments(fn["arguments"], i)
             msg["tool_calls"] = calls
         out.append(msg)
     return out

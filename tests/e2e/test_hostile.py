@@ -99,11 +99,24 @@ def test_the_poison_request_is_a_400_at_once(stack: FullStack, model: str) -> No
 # ------------------------------------------------------------ gRPC clients
 HI = [pb.ChatMessage(role="user", content="Hi")]
 TOOL = '{"type": "function", "function": {"name": "f"}}'
+DEEP = "[" * 2000 + "]" * 2000  # deeper than Python's stack, small enough to be read
+CALL = '[{"type": "function", "function": {"name": "f", "arguments": "' + DEEP + '"}}]'
 # Inputs the control plane refuses, by what its message says.
 BAD_INPUTS: dict[str, dict[str, Any]] = {
     "tools[0] must be": {"chat": pb.ChatInput(messages=HI, tools_json="[1]")},
     "tools[1] must be": {
         "chat": pb.ChatInput(messages=HI, tools_json=f'[{TOOL}, {{"function": 5}}]')
+    },
+    "tools_json is nested too deeply": {"chat": pb.ChatInput(messages=HI, tools_json=DEEP)},
+    "chat_template_kwargs is nested too deeply": {
+        "chat": pb.ChatInput(messages=HI, template_kwargs_json='{"a": ' + DEEP + "}")
+    },
+    "documents is nested too deeply": {"chat": pb.ChatInput(messages=HI, documents_json=DEEP)},
+    "tool_calls_json is nested too deeply": {
+        "chat": pb.ChatInput(messages=[pb.ChatMessage(role="assistant", tool_calls_json=DEEP)])
+    },
+    "arguments nested too deeply": {
+        "chat": pb.ChatInput(messages=[pb.ChatMessage(role="assistant", tool_calls_json=CALL)])
     },
 }
 

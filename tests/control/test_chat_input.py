@@ -1,0 +1,143 @@
+"""Bad text and chat input through the servicer's own Generate and Tokenize (no engine,
+no gRPC server): refused with INVALID_ARGUMENT naming the problem, never an exception
+that reaches the client as UNKNOWN with a trace."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+
+from control_plane.chat_template import ChatTemplateError, render_chat
+from control_plane.server import ControlServicer
+from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from hetero_proto import control_pb2 as pb
+
+HI = [pb.ChatMessage(role="user", content="Hi")]
+DEEP = "[" * 5000 + "]" * 5000  # deeper than Python's stack
+
+
+def _call(arguments: str) -> str:
+    return json.dumps(
+        [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]
+    )
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What the servicer uses of a call's context when it refuses a request."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path: Path) -> TokenizerWrapper:
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def servicer(tok: TokenizerWrapper) -> ControlServicer:
+    return ControlServicer(SimpleNamespace(tokenizer=tok, scheduler=None), "m")  # type: ignore[arg-type]
+
+
+def _refusal(servicer: ControlServicer, rpc: str, given: dict[str, Any]) -> tuple[str, str]:
+    """The status code's name and message with which Generate or Tokenize refuses it."""
+
+    async def go() -> None:
+        if rpc == "Generate":
+            await anext(servicer.Generate(pb.GenerateRequest(**given), _Context()))  # type: ignore[arg-type]
+        else:
+            await servicer.Tokenize(pb.TokenizeRequest(**given), _Context())  # type: ignore[arg-type]
+
+    with pytest.raises(_Aborted) as e:
+        asyncio.run(go())
+    code, message = e.value.args
+    return code.name, message
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "Tokenize"])
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"chat": pb.ChatInput(messages=HI, tools_json=DEEP)}, "tools_json is nested too deeply"),
+        (
+            {"chat": pb.ChatInput(messages=HI, template_kwargs_json='{"a": ' + DEEP + "}")},
+            "chat_template_kwargs is nested too deeply",
+        ),
+        (
+            {"chat": pb.ChatInput(messages=HI, documents_json=DEEP)},
+            "documents is nested too deeply",
+        ),
+        (
+            {
+                "chat": pb.ChatInput(
+                    messages=[*HI, pb.ChatMessage(role="assistant", tool_calls_json=DEEP)]
+                )
+            },
+            "messages[1].tool_calls_json is nested too deeply",
+        ),
+        (
+            {
+                "chat": pb.ChatInput(
+                    messages=[pb.ChatMessage(role="assistant", tool_calls_json=_call(DEEP))]
+                )
+            },
+            "messages[0].tool_calls: arguments nested too deeply",
+        ),
+    ],
+    ids=["tools", "template_kwargs", "documents", "tool_calls", "arguments"],
+)
+def test_json_nested_too_deeply_is_invalid_argument(
+    servicer: ControlServicer, rpc: str, given: dict[str, Any], says: str
+) -> None:
+    assert _refusal(servicer, rpc, given) == ("INVALID_ARGUMENT", says)
+
+
+def test_arguments_that_are_not_json_pass_as_sent(servicer: ControlServicer) -> None:
+    msgs = [pb.ChatMessage(role="assistant", tool_calls_json=_call("{not json"))]
+    ids = servicer._prompt_ids(pb.GenerateRequest(chat=pb.ChatInput(messages=msgs)))
+    assert '"arguments": "{not json"' in servicer.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools", "says"),
+    [
+        (
+            [{"role": "assistant", "content": "", "tool_calls": json.loads(_call("1"))}],
+            None,
+            "tool call arguments",
+        ),
+        (
+            [{"role": "user", "content": "Hi"}],
+            [{"type": "function", "function": {"name": "f"}}],
+            "tools",
+        ),
+    ],
+)
+def test_json_too_deep_to_write_in_the_tool_prompt_is_refused(
+    tok: TokenizerWrapper,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    says: str,
+) -> None:
+    """Input that parsed can still be too deep to write from further down the stack (the
+    tool prompt writes tools and calls as JSON): a ChatTemplateError, not a RecursionError."""
+    deep: Any = []
+    for _ in range(5000):
+        deep = [deep]
+    if tools is None:
+        messages[0]["tool_calls"][0]["function"]["arguments"] = deep
+    else:
+        tools[0]["function"]["parameters"] = deep
+    assert tok.chat_template is not None
+    with pytest.raises(ChatTemplateError, match=f"^{says} nested too deeply$"):
+        render_chat(tok.chat_template, messages, True, "", "", tools)
