@@ -166,27 +166,31 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self.model_name = model_name
         self.generation_defaults = json.dumps(generation_defaults or {})
 
-    def _check_size(self, text: str) -> None:
-        """Refuse a text too long for the context before spending seconds tokenising it."""
+    def _check_size(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> None:
+        """Refuse a text or chat too long for the context before spending seconds rendering
+        and tokenising it. A chat counts whole as sent (every field of every message, the
+        tools, documents and template kwargs): cheap, and no field is left to hide a
+        huge input in."""
         sched = self.engine.scheduler
         if sched is None:
             return
-        size = len(text.encode())
+        size = len(request.text.encode()) + request.chat.ByteSize()  # (one of them is unset: 0)
         if size > sched.max_model_len * self.tokenizer.max_token_bytes:
+            what = "chat" if request.HasField("chat") else "prompt"
             raise AdmissionError(
-                f"the prompt ({size} bytes) is longer than the maximum context length of "
+                f"the {what} ({size} bytes) is longer than the maximum context length of "
                 f"{sched.max_model_len} tokens"
             )
 
     def _prompt_ids(
-        self, request: pb.GenerateRequest | pb.TokenizeRequest, check_size: bool = True
+        self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
     ) -> list[int]:
-        """The request's prompt as token ids. Runs in a worker thread: tokenising is slow."""
+        """The request's prompt as token ids (`add_special_tokens`: a text's BOS; a chat
+        template writes its own). Runs in a worker thread: tokenising is slow."""
+        self._check_size(request)
         which = request.WhichOneof("input")
         if which == "text":
-            if check_size:
-                self._check_size(request.text)
-            return self.tokenizer.encode(request.text)
+            return self.tokenizer.encode(request.text, add_special_tokens)
         if which == "token_ids":
             return list(request.token_ids.ids)  # type: ignore[union-attr]
         if which == "chat":
@@ -195,8 +199,6 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             if not messages:
                 raise AdmissionError("chat input has no messages")
             tools = _json(chat.tools_json, "tools_json", list)
-            if check_size:
-                self._check_size("".join(m["content"] for m in messages) + chat.tools_json)
             kwargs = _json(chat.template_kwargs_json, "chat_template_kwargs", dict)
             if chat.documents_json:
                 kwargs["documents"] = _json(chat.documents_json, "documents", list)
@@ -263,12 +265,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         try:
-            if request.WhichOneof("input") == "text":
-                ids = await asyncio.to_thread(
-                    self.tokenizer.encode, request.text, request.add_special_tokens
-                )
-            else:
-                ids = await asyncio.to_thread(self._prompt_ids, request, False)
+            ids = await asyncio.to_thread(self._prompt_ids, request, request.add_special_tokens)
         except Exception as e:
             await _abort(context, e)
         sched = self.engine.scheduler

@@ -1,11 +1,13 @@
 """Bad text and chat input through the servicer's own Generate and Tokenize (no engine,
 no gRPC server): refused with INVALID_ARGUMENT naming the problem, never an exception
-that reaches the client as UNKNOWN with a trace."""
+that reaches the client as UNKNOWN with a trace; one too large to fit refused before it
+is read."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +22,7 @@ from hetero_proto import control_pb2 as pb
 
 HI = [pb.ChatMessage(role="user", content="Hi")]
 DEEP = "[" * 5000 + "]" * 5000  # deeper than Python's stack
+MAX_MODEL_LEN = 64
 
 
 def _call(arguments: str) -> str:
@@ -47,6 +50,13 @@ def tok(smollm2_path: Path) -> TokenizerWrapper:
 @pytest.fixture(scope="module")
 def servicer(tok: TokenizerWrapper) -> ControlServicer:
     return ControlServicer(SimpleNamespace(tokenizer=tok, scheduler=None), "m")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def bounded(tok: TokenizerWrapper) -> ControlServicer:
+    """A servicer whose compute plane has a context of MAX_MODEL_LEN tokens."""
+    engine = SimpleNamespace(tokenizer=tok, scheduler=SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+    return ControlServicer(engine, "m")  # type: ignore[arg-type]
 
 
 def _refusal(servicer: ControlServicer, rpc: str, given: dict[str, Any]) -> tuple[str, str]:
@@ -141,3 +151,50 @@ def test_json_too_deep_to_write_in_the_tool_prompt_is_refused(
     assert tok.chat_template is not None
     with pytest.raises(ChatTemplateError, match=f"^{says} nested too deeply$"):
         render_chat(tok.chat_template, messages, True, "", "", tools)
+
+
+def _oversized(tok: TokenizerWrapper) -> dict[str, dict[str, Any]]:
+    """An input just over the size bound, put in each field a text or chat has."""
+    big = "x" * (MAX_MODEL_LEN * tok.max_token_bytes)
+    msg = pb.ChatMessage
+    chats = {
+        "content": pb.ChatInput(messages=[msg(role="user", content=big)]),
+        "role": pb.ChatInput(messages=[msg(role=big, content="Hi")]),
+        "name": pb.ChatInput(messages=[msg(role="user", content="Hi", name=big)]),
+        "tool_call_id": pb.ChatInput(messages=[msg(role="tool", content="1", tool_call_id=big)]),
+        "tool_calls_json": pb.ChatInput(
+            messages=[msg(role="assistant", tool_calls_json=_call(big))]
+        ),
+        "tools_json": pb.ChatInput(messages=HI, tools_json=json.dumps([{"x": big}])),
+        "documents_json": pb.ChatInput(messages=HI, documents_json=json.dumps([{"x": big}])),
+        "template_kwargs_json": pb.ChatInput(
+            messages=HI, template_kwargs_json=json.dumps({"x": big})
+        ),
+    }
+    return {"text": {"text": big + "x"}} | {k: {"chat": c} for k, c in chats.items()}
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "Tokenize"])
+def test_an_input_over_the_size_bound_in_any_field_is_refused_unread(
+    bounded: ControlServicer, tok: TokenizerWrapper, rpc: str
+) -> None:
+    """Every byte of a text or chat counts toward the bound (context length x the longest
+    token's bytes), on Generate and Tokenize alike, before anything is parsed or
+    tokenised: one refusal, the one a long prompt gets."""
+    for field, given in _oversized(tok).items():
+        code, message = _refusal(bounded, rpc, given)
+        assert code == "INVALID_ARGUMENT", (field, message)
+        kind = "prompt" if field == "text" else "chat"
+        assert re.fullmatch(
+            rf"the {kind} \(\d+ bytes\) is longer than the maximum context length of "
+            rf"{MAX_MODEL_LEN} tokens",
+            message,
+        ), (field, message)
+
+
+def test_a_text_at_the_size_bound_is_tokenised(
+    bounded: ControlServicer, tok: TokenizerWrapper
+) -> None:
+    at_bound = pb.TokenizeRequest(text="x" * (MAX_MODEL_LEN * tok.max_token_bytes))
+    reply = asyncio.run(bounded.Tokenize(at_bound, _Context()))  # type: ignore[arg-type]
+    assert reply.count > MAX_MODEL_LEN and reply.max_model_len == MAX_MODEL_LEN

@@ -31,13 +31,13 @@ from tests.procs import FullStack, control_stack, gateway
 pytestmark = pytest.mark.slow
 
 HEADER_TIMEOUT = 2.0
+MAX_MODEL_LEN = 96  # a short context keeps every request the fuzzer gets accepted cheap
 BODY_TIMEOUT = 5.0  # (the default, 30 s, would be the suite's wait)
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[FullStack]:
-    # A short context keeps every request the fuzzer gets accepted cheap.
-    compute = ("--kv-cache-bytes", str(64 << 20), "--max-model-len", "96")
+    compute = ("--kv-cache-bytes", str(64 << 20), "--max-model-len", str(MAX_MODEL_LEN))
     with (
         control_stack(compute) as s,
         gateway(
@@ -101,6 +101,12 @@ HI = [pb.ChatMessage(role="user", content="Hi")]
 TOOL = '{"type": "function", "function": {"name": "f"}}'
 DEEP = "[" * 2000 + "]" * 2000  # deeper than Python's stack, small enough to be read
 CALL = '[{"type": "function", "function": {"name": "f", "arguments": "' + DEEP + '"}}]'
+# Over the size bound (the context x the longest token's bytes) in a field of each kind.
+HUGE_TEXT = "x" * 20000
+HUGE_CALLS = pb.ChatInput(
+    messages=[pb.ChatMessage(role="assistant", tool_calls_json=CALL.replace(DEEP, HUGE_TEXT))]
+)
+TOO_LONG = f"is longer than the maximum context length of {MAX_MODEL_LEN} tokens"
 # Inputs the control plane refuses, by what its message says.
 BAD_INPUTS: dict[str, dict[str, Any]] = {
     "tools[0] must be": {"chat": pb.ChatInput(messages=HI, tools_json="[1]")},
@@ -118,6 +124,8 @@ BAD_INPUTS: dict[str, dict[str, Any]] = {
     "arguments nested too deeply": {
         "chat": pb.ChatInput(messages=[pb.ChatMessage(role="assistant", tool_calls_json=CALL)])
     },
+    f"the prompt ({len(HUGE_TEXT)} bytes) {TOO_LONG}": {"text": HUGE_TEXT},
+    f"the chat ({HUGE_CALLS.ByteSize()} bytes) {TOO_LONG}": {"chat": HUGE_CALLS},
 }
 
 
