@@ -33,6 +33,30 @@ class ModelBounds:
     eos_token_ids: frozenset[int]  # the tokenizer's and the compute plane's
 
 
+def _check_fields(params: pb.GenerationParams) -> None:
+    """Raise AdmissionError naming the first field that is bad whatever the prompt and
+    model. A value that would be silently ignored or misread is refused too (as vLLM and
+    the gateway refuse it): gRPC clients get no other warning."""
+    n = params.n or 1
+    if not 1 <= n <= MAX_N:
+        raise AdmissionError(f"n must be in 1..{MAX_N}, got {n}")
+    if params.max_tokens < 0 or params.min_tokens < 0:
+        raise AdmissionError("max_tokens and min_tokens must be >= 0")
+    if len(params.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
+        raise AdmissionError(
+            f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters"
+        )
+    if not all(params.stop):
+        raise AdmissionError("stop strings must not be empty")
+    if params.top_k < -1:
+        raise AdmissionError(f"top_k must be 0 or -1 (off) or > 0, got {params.top_k}")
+    if params.top_logprobs > 0 and not params.logprobs:
+        raise AdmissionError("top_logprobs needs logprobs")
+    structured = params.structured
+    if structured.WhichOneof("kind") == "json_object" and not structured.json_object:
+        raise AdmissionError("json_object must be true when set")
+
+
 class InputProcessor:
     def __init__(self, tokenizer: TokenizerWrapper, grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
@@ -41,15 +65,7 @@ class InputProcessor:
     def check(self, prompt_ids: list[int], params: pb.GenerationParams, bounds: ModelBounds) -> int:
         """Raise AdmissionError naming the first bad field; return the request's max_tokens
         (when unset: what the context leaves after the prompt)."""
-        n = params.n or 1
-        if not 1 <= n <= MAX_N:
-            raise AdmissionError(f"n must be in 1..{MAX_N}, got {n}")
-        if params.max_tokens < 0 or params.min_tokens < 0:
-            raise AdmissionError("max_tokens and min_tokens must be >= 0")
-        if len(params.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in params.stop):
-            raise AdmissionError(
-                f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters"
-            )
+        _check_fields(params)
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
         if len(prompt_ids) >= bounds.max_model_len:

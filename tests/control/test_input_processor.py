@@ -42,6 +42,15 @@ def inputs(tok: TokenizerWrapper) -> InputProcessor:
         ([1, 2], pb.GenerationParams(top_p=1.5), "top_p"),
         ([1, 2], pb.GenerationParams(frequency_penalty=3.0), "frequency_penalty"),
         ([1, 2], pb.GenerationParams(top_logprobs=21), "top_logprobs"),
+        # Values that would be silently ignored or misread:
+        ([1, 2], pb.GenerationParams(top_logprobs=2), "top_logprobs needs logprobs"),
+        ([1, 2], pb.GenerationParams(stop=["x", ""]), "stop strings must not be empty"),
+        ([1, 2], pb.GenerationParams(top_k=-5), "top_k must be 0 or -1 (off) or > 0, got -5"),
+        (
+            [1, 2],
+            pb.GenerationParams(structured=pb.StructuredOutput(json_object=False)),
+            "json_object must be true when set",
+        ),
     ],
 )
 def test_a_bad_field_is_refused_by_name(
@@ -50,6 +59,23 @@ def test_a_bad_field_is_refused_by_name(
     with pytest.raises(AdmissionError) as e:
         inputs.check(prompt, params, BOUNDS)
     assert names in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        pb.GenerationParams(top_k=-1),
+        pb.GenerationParams(top_k=1),
+        pb.GenerationParams(logprobs=True),
+        pb.GenerationParams(logprobs=True, top_logprobs=2),
+        pb.GenerationParams(stop=["x"]),
+        pb.GenerationParams(structured=pb.StructuredOutput(json_object=True)),
+    ],
+)
+def test_the_values_next_to_refused_ones_are_accepted(
+    inputs: InputProcessor, params: pb.GenerationParams
+) -> None:
+    assert inputs.check([1, 2], params, BOUNDS) == 62
 
 
 def test_max_tokens_defaults_to_what_the_context_leaves(inputs: InputProcessor) -> None:

@@ -127,6 +127,15 @@ BAD_INPUTS: dict[str, dict[str, Any]] = {
     f"the prompt ({len(HUGE_TEXT)} bytes) {TOO_LONG}": {"text": HUGE_TEXT},
     f"the chat ({HUGE_CALLS.ByteSize()} bytes) {TOO_LONG}": {"chat": HUGE_CALLS},
 }
+# Parameters it refuses (with a good prompt), where it would otherwise ignore or misread them.
+BAD_PARAMS: dict[str, pb.GenerationParams] = {
+    "top_logprobs needs logprobs": pb.GenerationParams(top_logprobs=2),
+    "stop strings must not be empty": pb.GenerationParams(stop=[""]),
+    "top_k must be": pb.GenerationParams(top_k=-5),
+    "json_object must be true": pb.GenerationParams(
+        structured=pb.StructuredOutput(json_object=False)
+    ),
+}
 
 
 def _refusal(call: Any, request: Any) -> tuple[str, str]:
@@ -139,10 +148,11 @@ def _refusal(call: Any, request: Any) -> tuple[str, str]:
 
 
 def test_bad_grpc_input_is_invalid_argument_on_every_rpc(stack: FullStack, model: str) -> None:
-    """Each bad input is INVALID_ARGUMENT naming its problem (not UNKNOWN with a trace)
-    from Generate, from GenerateMany (its RequestError) and from Tokenize; the stack
-    goes on serving."""
+    """Each bad input or parameter is INVALID_ARGUMENT naming its problem (not UNKNOWN
+    with a trace, nor ignored) from Generate, from GenerateMany (its RequestError) and, an
+    input, from Tokenize; the stack goes on serving."""
     calls = {k: {**v, "params": pb.GenerationParams(max_tokens=2)} for k, v in BAD_INPUTS.items()}
+    calls |= {k: {"text": "Hi", "params": v} for k, v in BAD_PARAMS.items()}
     with grpc.insecure_channel(stack.control) as ch:
         stub = pb_grpc.ControlPlaneStub(ch)
         for needle, fields in calls.items():
