@@ -8,6 +8,7 @@ import asyncio
 import gc
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -399,6 +400,24 @@ def test_a_batch_larger_than_the_waiting_queue_is_refused_before_any_call(
     assert client.post("/v1/completions", json=body).status_code == 200
 
 
+def _receive(
+    body: bytes, leave: Callable[[], Awaitable[object]]
+) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """An ASGI receive: the request's body, then the client's disconnect once `leave`
+    returns."""
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await leave()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
 def _post_scope(path: str, body: bytes) -> dict[str, Any]:
     """The ASGI scope of a JSON POST, for driving the app without a client."""
     return {
@@ -431,15 +450,7 @@ def test_a_client_leaving_during_a_send_cancels_its_calls_at_once(link: FakeLink
 
     async def run() -> list[str]:
         gone = asyncio.Event()
-        requested = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal requested
-            if not requested:
-                requested = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await gone.wait()
-            return {"type": "http.disconnect"}
+        receive = _receive(body, gone.wait)
 
         async def send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.body":
@@ -476,15 +487,7 @@ def test_a_client_leaving_before_its_response_is_a_499_not_an_error(
     before = {status: counted(status) for status in ("499", "500")}
 
     async def run() -> list[str]:
-        requested = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal requested
-            if not requested:
-                requested = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.sleep(0.05)  # the generation is under way
-            return {"type": "http.disconnect"}
+        receive = _receive(body, lambda: asyncio.sleep(0.05))  # the generation under way
 
         async def send(message: dict[str, Any]) -> None:
             return None  # nobody is there to read it
