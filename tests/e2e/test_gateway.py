@@ -212,7 +212,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stop": ["y" * 257]}, 400, "stop"),
-    ("/v1/completions", {"prompt": [2**31]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [2**31]}, 400, "prompt.0"),  # the id itself
     ("/v1/completions", {"prompt": "x", "max_tokens": 2**31}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
