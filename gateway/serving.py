@@ -229,6 +229,7 @@ class Call(Generic[Body]):
     prompt_lps: dict[int, list[pb.TokenLogprob]] = field(default_factory=dict)  # by prompt
     echoed: set[int] = field(default_factory=set)
     shown_prompt: set[int] = field(default_factory=set)  # choices given prompt_token_ids
+    shown_plps: set[int] = field(default_factory=set)  # choices given prompt_logprobs
     num_generated: int = 0  # tokens streamed so far (continuous usage)
 
 
@@ -354,6 +355,11 @@ class Serving(Generic[Body]):
                         yield sse(self.chunk(call, [choice], live, first=k == 0))
                 for d in deltas:
                     call.num_generated += len(d.choice.token_ids)
+                    prompt = d.index // body.n
+                    if d.choice.index == 0 and prompt not in call.prompt_lps:
+                        # (the prompt's logprobs come on its choice 0's first delta; none
+                        # when not asked for, or when the prompt is one token)
+                        call.prompt_lps[prompt] = list(d.choice.prompt_logprobs)
                     for choice in self.delta_choices(call, d):
                         self.add_token_ids(call, d, choice)
                         live = self.live_usage(call) if continuous else None
@@ -368,10 +374,14 @@ class Serving(Generic[Body]):
 
     def add_token_ids(self, call: Call[Body], d: Delta, choice: dict[str, Any]) -> None:
         """return_token_ids: each delta's tokens; a choice's first chunk, its prompt's.
-        prompt_logprobs: on the chunk of the delta that carries them."""
-        if d.choice.prompt_logprobs and call.body.prompt_logprobs is not None:
-            plps = list(d.choice.prompt_logprobs)
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(plps, call.body.prompt_logprobs)
+        prompt_logprobs: on each choice's first chunk once its prompt's have come (on
+        choice 0's first delta), as the whole response gives them to every choice."""
+        top = call.body.prompt_logprobs
+        if top is not None and d.index not in call.shown_plps:
+            plps = call.prompt_lps.get(d.index // call.body.n)
+            if plps is not None:
+                call.shown_plps.add(d.index)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(plps, top)
         if not call.body.return_token_ids:
             return
         choice["token_ids"] = list(d.choice.token_ids)
@@ -438,8 +448,6 @@ class CompletionServing(Serving[CompletionRequest]):
         body = call.body
         text, head = c.text, None
         prompt = d.index // body.n
-        if c.prompt_logprobs:
-            call.prompt_lps[prompt] = list(c.prompt_logprobs)
         if call.echo and d.index not in call.echoed:  # echo with logprobs, streamed
             call.echoed.add(d.index)
             text = call.echo[prompt] + text

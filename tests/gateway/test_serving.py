@@ -26,7 +26,7 @@ MODEL = "tiny-model"
 PROMPT_IDS = [11, 12, 13]
 
 
-def prompt_logprobs(top: int) -> list[pb.TokenLogprob]:
+def prompt_logprobs(top: int, prompt_ids: list[int] = PROMPT_IDS) -> list[pb.TokenLogprob]:
     """Prompt tokens 1.. with `top` alternatives each, none of them the token itself."""
     return [
         pb.TokenLogprob(
@@ -38,7 +38,7 @@ def prompt_logprobs(top: int) -> list[pb.TokenLogprob]:
                 pb.TopLogprob(token_id=200 + j, token=f"a{j}", logprob=-0.5 - j) for j in range(top)
             ],
         )
-        for t in PROMPT_IDS[1:]
+        for t in prompt_ids[1:]
     ]
 
 
@@ -52,6 +52,7 @@ class FakeMux:
         self.pieces = ["Hel", "lo", "!"]
         self.error: APIError | None = None
         self.hold = False
+        self.prompt_ids = PROMPT_IDS
         self.calls: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
 
@@ -64,7 +65,7 @@ class FakeMux:
                 queue.put_nowait(self.error)
                 continue
             n = call.params.n or 1
-            queue.put_nowait((i, pb.GenerateResponse(prompt_token_ids=PROMPT_IDS)))
+            queue.put_nowait((i, pb.GenerateResponse(prompt_token_ids=self.prompt_ids)))
             if self.hold:
                 continue
             for k, text in enumerate(self.pieces):
@@ -75,7 +76,8 @@ class FakeMux:
                     if call.params.logprobs:
                         d.logprobs.add(token_id=100 + k, token=text, logprob=-0.25)
                     if k == 0 and c == 0 and call.params.HasField("prompt_logprobs"):
-                        d.prompt_logprobs.extend(prompt_logprobs(call.params.prompt_logprobs))
+                        top = call.params.prompt_logprobs
+                        d.prompt_logprobs.extend(prompt_logprobs(top, self.prompt_ids))
                     if last:
                         d.finish_reason = pb.FINISH_REASON_LENGTH
                 if last:
@@ -301,6 +303,40 @@ def test_wrong_model_is_404(client: TestClient) -> None:
 def test_an_unimplemented_field_is_a_400_that_names_it(client: TestClient) -> None:
     r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "suffix": "the end"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+@pytest.mark.parametrize("prompt_ids", [PROMPT_IDS, [11]], ids=["three-tokens", "one-token"])
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_streamed_prompt_logprobs_are_the_whole_answers(
+    client: TestClient, link: FakeLink, route: str, prompt_ids: list[int]
+) -> None:
+    """Each choice's prompt_logprobs, streamed (its first chunk that has them) and not:
+    every choice of a prompt gets them, and a one-token prompt's are [None]. Streamed,
+    only choice 0 had them, and a one-token prompt had none."""
+    link.mux.prompt_ids = prompt_ids
+    body: dict[str, Any] = {"model": MODEL, "n": 2, "prompt_logprobs": 1, "max_tokens": 3}
+    if route == "completions":
+        body["prompt"] = ["a", "b"]
+    else:
+        body["messages"] = [{"role": "user", "content": "a"}]
+    whole = client.post(f"/v1/{route}", json=body).json()
+    if route == "completions":
+        expected = {c["index"]: c["prompt_logprobs"] for c in whole["choices"]}
+    else:  # (vLLM's chat response has them once, beside the choices)
+        expected = {c["index"]: whole["prompt_logprobs"] for c in whole["choices"]}
+    assert len(expected) == (4 if route == "completions" else 2)
+    assert all(p is not None and p[0] is None for p in expected.values())
+    assert all(len(p) == len(prompt_ids) for p in expected.values())
+    streamed: dict[int, Any] = {}
+    with client.stream("POST", f"/v1/{route}", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                if "prompt_logprobs" in c:
+                    assert c["index"] not in streamed  # once per choice
+                    streamed[c["index"]] = c["prompt_logprobs"]
+    assert streamed == expected
 
 
 def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
