@@ -172,7 +172,12 @@ async def _tokenize(link: ControlLink, body: TokenizeRequest) -> dict[str, Any]:
 async def _detokenize(link: ControlLink, body: DetokenizeRequest) -> dict[str, Any]:
     if body.model is not None:
         check_model(body.model, await link.model_name())
-    return {"prompt": await detokenize(link.open(), body.tokens)}
+    try:
+        return {"prompt": await detokenize(link.open(), body.tokens)}
+    except APIError as e:
+        if e.status == 400:  # (ids out of the vocabulary: the control plane says which)
+            e.param = "tokens"
+        raise
 
 
 async def _version() -> dict[str, str]:

@@ -213,6 +213,8 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "stop": ["y" * 257]}, 400, "stop"),
     ("/v1/completions", {"prompt": [2**31]}, 400, "prompt.0"),  # the id itself
+    ("/v1/completions", {"prompt": [49152]}, 400, "prompt"),  # past the vocabulary
+    ("/detokenize", {"tokens": [49152]}, 400, "tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2**31}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     (
