@@ -230,6 +230,9 @@ class Call(Generic[Body]):
     echoed: set[int] = field(default_factory=set)
     shown_prompt: set[int] = field(default_factory=set)  # choices given prompt_token_ids
     shown_plps: set[int] = field(default_factory=set)  # choices given prompt_logprobs
+    # return_token_ids, streamed: ids of deltas that gave no chunk (their text held back
+    # while it may be a stop string), sent with the choice's next chunk
+    unsent_ids: dict[int, list[int]] = field(default_factory=dict)
     num_generated: int = 0  # tokens streamed so far (continuous usage)
 
 
@@ -360,8 +363,11 @@ class Serving(Generic[Body]):
                         # (the prompt's logprobs come on its choice 0's first delta; none
                         # when not asked for, or when the prompt is one token)
                         call.prompt_lps[prompt] = list(d.choice.prompt_logprobs)
-                    for choice in self.delta_choices(call, d):
-                        self.add_token_ids(call, d, choice)
+                    choices = self.delta_choices(call, d)
+                    if not choices and body.return_token_ids:
+                        call.unsent_ids.setdefault(d.index, []).extend(d.choice.token_ids)
+                    for k, choice in enumerate(choices):
+                        self.add_token_ids(call, d, choice, first=k == 0)
                         live = self.live_usage(call) if continuous else None
                         yield sse(self.chunk(call, [choice], live))
                 if usage is not None and include_usage:
@@ -372,8 +378,11 @@ class Serving(Generic[Body]):
             await aclose(stream)
         yield sse("[DONE]")
 
-    def add_token_ids(self, call: Call[Body], d: Delta, choice: dict[str, Any]) -> None:
-        """return_token_ids: each delta's tokens; a choice's first chunk, its prompt's.
+    def add_token_ids(
+        self, call: Call[Body], d: Delta, choice: dict[str, Any], first: bool
+    ) -> None:
+        """return_token_ids: each delta's tokens, on the `first` of the chunks it gives
+        (with those of deltas that gave none); a choice's first chunk, its prompt's.
         prompt_logprobs: on each choice's first chunk once its prompt's have come (on
         choice 0's first delta), as the whole response gives them to every choice."""
         top = call.body.prompt_logprobs
@@ -384,7 +393,8 @@ class Serving(Generic[Body]):
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(plps, top)
         if not call.body.return_token_ids:
             return
-        choice["token_ids"] = list(d.choice.token_ids)
+        ids = [*call.unsent_ids.pop(d.index, ()), *d.choice.token_ids] if first else []
+        choice["token_ids"] = ids
         if d.index not in call.shown_prompt and call.prompt_ids:
             call.shown_prompt.add(d.index)
             choice["prompt_token_ids"] = call.prompt_ids[d.index // call.body.n]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -115,6 +116,31 @@ def test_stop_strings_in_streaming(client: openai.OpenAI, model: str) -> None:
     pieces = [c.choices[0] for c in chunks if c.choices]
     assert "".join(p.text for p in pieces) == full[: full.index(stop)]
     assert pieces[-1].finish_reason == "stop"
+
+
+def test_streamed_token_ids_are_the_whole_answers_with_a_stop_string(
+    stack: FullStack, model: str
+) -> None:
+    """Text held back while it may be a stop string kept its token ids out of the stream
+    (a delta with no text gave no chunk): the streamed ids missed every held token."""
+    body = {
+        "model": model,
+        "prompt": "1, 2, 3, 1, 2, 3, 1, 2, 3,",
+        "temperature": 0,
+        "max_tokens": 24,
+        "stop": [" 3,"],
+        "return_token_ids": True,
+    }
+    whole = httpx.post(stack.url + "/v1/completions", json=body, timeout=60).json()
+    ids = whole["choices"][0]["token_ids"]
+    assert whole["choices"][0]["finish_reason"] == "stop" and len(ids) > 2
+    streamed: list[int] = []
+    with httpx.stream("POST", stack.url + "/v1/completions", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed += c.get("token_ids") or []
+    assert streamed == ids
 
 
 def test_min_tokens_holds_stop_strings_back(

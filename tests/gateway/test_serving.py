@@ -305,6 +305,31 @@ def test_an_unimplemented_field_is_a_400_that_names_it(client: TestClient) -> No
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_streamed_token_ids_include_those_of_held_back_text(
+    client: TestClient, link: FakeLink, route: str
+) -> None:
+    """A delta whose text the control plane holds back (it may be a stop string) still has
+    its token ids; streamed with return_token_ids they come with the next chunk. They were
+    dropped with the delta's empty chunk, so the streamed ids missed tokens."""
+    link.mux.pieces = ["Hel", "", "", "lo"]
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "return_token_ids": True, "n": 2}
+    body |= (
+        {"prompt": "Hi"}
+        if route == "completions"
+        else {"messages": [{"role": "user", "content": "Hi"}]}
+    )
+    whole = client.post(f"/v1/{route}", json=body).json()["choices"]
+    assert [c["token_ids"] for c in whole] == [[100, 101, 102, 103]] * 2
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    with client.stream("POST", f"/v1/{route}", json=body | {"stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] += c.get("token_ids") or []
+    assert streamed == {0: [100, 101, 102, 103], 1: [100, 101, 102, 103]}
+
+
 @pytest.mark.parametrize("prompt_ids", [PROMPT_IDS, [11]], ids=["three-tokens", "one-token"])
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 def test_streamed_prompt_logprobs_are_the_whole_answers(
