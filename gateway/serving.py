@@ -574,19 +574,20 @@ class ChatServing(Serving[ChatCompletionRequest]):
         if c.finish_reason:
             text += st.finish()
         lp = chat_logprobs(list(c.logprobs)) if body.logprobs and c.logprobs else None
+
+        def chunk(delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
+            keys = {"logprobs": None, "finish_reason": None, "stop_reason": None}
+            return {"index": d.index, "delta": delta, **keys, **fields}
+
         if text or lp:
-            delta: dict[str, Any] = {"content": text} if text else {}
-            out.append({"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": None})
+            out.append(chunk({"content": text} if text else {}, logprobs=lp))
         if c.finish_reason:
             for i, tc in enumerate(st.calls):
-                delta = {"tool_calls": [{"index": i, **tc}]}  # whole arguments at once
-                out.append(
-                    {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": None}
-                )
+                out.append(chunk({"tool_calls": [{"index": i, **tc}]}))  # whole arguments
             reason = FINISH.get(c.finish_reason)
             if st.calls and reason == "stop":
                 reason = "tool_calls"
-            out.append({"index": d.index, "delta": {}, "logprobs": None, "finish_reason": reason})
+            out.append(chunk({}, finish_reason=reason, stop_reason=stop_reason(c)))
         return out
 
     @staticmethod

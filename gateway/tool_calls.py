@@ -115,6 +115,8 @@ def _call(obj: Any, names: set[str]) -> dict[str, Any] | None:
             args = json.loads(args)
         except json.JSONDecodeError:
             return None
+    if not isinstance(args, dict):
+        return None  # (OpenAI's arguments are a JSON object)
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
@@ -154,7 +156,7 @@ def _parse(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]
             rest = rest[end + len(CLOSE) :].lstrip() if end >= 0 else ""
         if rest:
             return text, []
-        return (head.strip() or None), calls
+        return (head if head.strip() else None), calls  # (as streamed: see ToolStream)
     stripped = text.strip().removeprefix(PYTHON_TAG).strip()
     if stripped.startswith(("{", "[")):
         try:
@@ -190,6 +192,8 @@ class ToolStream:
         if (at := rest.find(OPEN)) >= 0:
             self.holding = True
             out = rest[:at]
+            if self.sent == 0 and not out.strip():
+                return ""  # whitespace alone before the calls is no content (parse's head)
             self.sent += at
             return out
         # Keep back a tail that may be the start of "<tool_call>" or "<|python_tag|>".

@@ -293,6 +293,11 @@ def test_parallel_tool_calls_false_returns_the_first_call_alone(
     deltas = [tc for c in streamed for tc in c["choices"][0]["delta"].get("tool_calls", [])]
     assert [json.loads(tc["function"]["arguments"]) for tc in deltas] == args
     assert [tc["index"] for tc in deltas] == list(range(calls))
+    # Past the role chunk, every chunk's choice has the keys a chunk without tools has
+    # (stop_reason was missing).
+    keys = {"index", "delta", "logprobs", "finish_reason", "stop_reason"}
+    after_role = [c["choices"][0] for c in streamed[1:] if c["choices"]]
+    assert after_role and all(set(c) == keys for c in after_role)
 
 
 def test_wrong_model_is_404(client: TestClient) -> None:

@@ -26,7 +26,7 @@ def _fn(calls: list[dict]) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
         (  # Hermes / Qwen: one object per block, several blocks
             'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
             '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
-            "Let me check.",
+            "Let me check.\n",  # (as it streams: the text before the block, as is)
             [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})],
         ),
         (  # SmolLM2: a list in one block
@@ -42,6 +42,15 @@ def _fn(calls: list[dict]) -> list[tuple[str, dict]]:  # type: ignore[type-arg]
         ),
         ('{"name": "unknown_fn", "arguments": {}}', '{"name": "unknown_fn", "arguments": {}}', []),
         ("<tool_call>[{not json}]</tool_call>", "<tool_call>[{not json}]</tool_call>", []),
+        # arguments that are not an object are no call (OpenAI's are a JSON object)
+        (
+            '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+            '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',
+            [],
+        ),
+        ('{"name": "add", "arguments": 5}', '{"name": "add", "arguments": 5}', []),
+        # whitespace alone before the block is no content
+        ('\n <tool_call>{"name": "add", "arguments": {}}</tool_call>', None, [("add", {})]),
         ("The weather is fine.", "The weather is fine.", []),
     ],
 )
@@ -54,6 +63,9 @@ def test_parse(text: str, content: str | None, calls: list) -> None:  # type: ig
 
 TEXTS = [
     'Sure. <tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>',
+    '\nSure!\n <tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_call>',
+    ' \n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    '\n<tool_call>{"name": "add", "arguments": [1]}</tool_call>',
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     '{"name": "add", "arguments": {"a": 3, "b": 4}}',
     "No tool is needed: 2 + 2 = 4. <tool_ca is not a tag",
@@ -73,7 +85,7 @@ def test_streamed_parse_equals_one_shot(text: str, cuts: list[int]) -> None:
     content = "".join(stream.feed(p) for p in pieces) + stream.finish()
     one_content, one_calls = tool_calls.parse(text, NAMES)
     assert _fn(stream.calls) == _fn(one_calls)
-    assert content.strip() == (one_content or "").strip()
+    assert content == (one_content or "")  # whitespace too: streamed joins to the whole
     if not one_calls:
         assert content == text  # text that is no call streams out whole, unchanged
 
