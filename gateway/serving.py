@@ -249,7 +249,7 @@ class Serving(Generic[Body]):
         mux: Calls,
         stub: Callable[[], pb_grpc.ControlPlaneStub],
         timeout: float,
-        settings: Callable[[], Awaitable[PlaneSettings]] | None = None,
+        settings: Callable[[], Awaitable[PlaneSettings]],
     ) -> None:
         """`settings`: the model's sampling defaults (generation_config.json), for the
         fields a request leaves out, and the size of a batch the planes take."""
@@ -269,17 +269,15 @@ class Serving(Generic[Body]):
     async def _serve(self, body: Body, request: Request) -> Response:
         model = await self.model_name()
         check_model(body.model, model)
-        settings = None if self.settings is None else await self.settings()
-        if settings is not None:
-            apply_defaults(body, settings.defaults)
+        settings = await self.settings()
+        apply_defaults(body, settings.defaults)
         if body.stream_options is not None and not body.stream:
             raise APIError(
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
         self.check(body)
         calls = self.calls(body)
-        if settings is not None:
-            check_batch(len(calls), settings.max_waiting, self.input_param)
+        check_batch(len(calls), settings.max_waiting, self.input_param)
         call = Call(body, model, calls, f"{self.id_prefix}{uuid.uuid4().hex}")
         if body.stream:
             stream = await cancel_on_disconnect(
