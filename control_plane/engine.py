@@ -232,6 +232,14 @@ class ControlEngine:
         p = self.plane
         return p.description if p is not None else None
 
+    def check_accepting(self) -> None:
+        """Raise ComputeUnavailable now, as `submit` would, when no request can be placed:
+        callers check before tokenising a prompt that would only be refused."""
+        if self.draining:
+            raise ComputeUnavailable("the control plane is shutting down")
+        if not any(p.accepting for p in self.planes.values()):
+            raise ComputeUnavailable("no compute plane is attached")
+
     # ------------------------------------------------------------ placement
     def _place(self, token_ids: list[int], exclude: ComputePlane | None = None) -> ComputePlane:
         """The compute plane for a new request: the longest prefix-cache hit (blocks cached

@@ -9,9 +9,13 @@ UNAVAILABLE while those in flight finish (up to --drain-timeout), then the proce
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,9 @@ from hetero_proto import control_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
+# A text or chat larger than this is tokenised in the big-input lane (see `prompt_ids`).
+# 64 KiB is ~16k tokens, tens of milliseconds to tokenise.
+BIG_INPUT_BYTES = 64 << 10
 
 _STATUS = {
     AdmissionError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -165,16 +172,31 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self.tokenizer: TokenizerWrapper = engine.tokenizer
         self.model_name = model_name
         self.generation_defaults = json.dumps(generation_defaults or {})
+        # Half the CPUs this process may use: big inputs never take them all.
+        lanes = max(1, len(os.sched_getaffinity(0)) // 2)
+        self._big_lane = ThreadPoolExecutor(lanes, thread_name_prefix="tokenize-big")
 
-    def _check_size(self, request: pb.GenerateRequest | pb.TokenizeRequest) -> None:
+    async def prompt_ids(
+        self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
+    ) -> list[int]:
+        """`_prompt_ids` in a worker thread (tokenising is slow; the tokenizer releases the
+        GIL). A big input waits for the big-input lane, a pool of half the CPUs: a burst of
+        huge prompts would otherwise fill every worker thread, and each small request
+        would wait seconds behind them to be tokenised."""
+        size = _input_bytes(request)
+        self._check_size(size, request)  # before queueing: a refusal should not wait
+        work = functools.partial(self._prompt_ids, request, add_special_tokens)
+        if size <= BIG_INPUT_BYTES:
+            return await asyncio.to_thread(work)
+        run = functools.partial(contextvars.copy_context().run, work)  # as to_thread does
+        return await asyncio.get_running_loop().run_in_executor(self._big_lane, run)
+
+    def _check_size(self, size: int, request: pb.GenerateRequest | pb.TokenizeRequest) -> None:
         """Refuse a text or chat too long for the context before spending seconds rendering
-        and tokenising it. A chat counts whole as sent (every field of every message, the
-        tools, documents and template kwargs): cheap, and no field is left to hide a
-        huge input in."""
+        and tokenising it."""
         sched = self.engine.scheduler
         if sched is None:
             return
-        size = len(request.text.encode()) + request.chat.ByteSize()  # (one of them is unset: 0)
         if size > sched.max_model_len * self.tokenizer.max_token_bytes:
             what = "chat" if request.HasField("chat") else "prompt"
             raise AdmissionError(
@@ -186,8 +208,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
     ) -> list[int]:
         """The request's prompt as token ids (`add_special_tokens`: a text's BOS; a chat
-        template writes its own). Runs in a worker thread: tokenising is slow."""
-        self._check_size(request)
+        template writes its own). Runs in a worker thread: see `prompt_ids`."""
         which = request.WhichOneof("input")
         if which == "text":
             return self.tokenizer.encode(request.text, add_special_tokens)
@@ -216,7 +237,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
+            self.engine.check_accepting()
+            prompt_ids = await self.prompt_ids(request)
             stream = self.engine.submit(
                 prompt_ids,
                 request.params,
@@ -265,7 +287,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         try:
-            ids = await asyncio.to_thread(self._prompt_ids, request, request.add_special_tokens)
+            ids = await self.prompt_ids(request, request.add_special_tokens)
         except Exception as e:
             await _abort(context, e)
         sched = self.engine.scheduler
@@ -282,7 +304,9 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"token ids must be in 0..{self.tokenizer.vocab_size - 1}",
             )
-        return pb.DetokenizeResponse(text=self.tokenizer.decode(ids, request.skip_special_tokens))
+        # A thread: a million ids (a 4 MiB message) take a quarter second to decode.
+        text = await asyncio.to_thread(self.tokenizer.decode, ids, request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
@@ -361,7 +385,8 @@ class _ManyCall:
     async def _admit(self, request: pb.GenerateRequest, token: object, packed: bool) -> None:
         rid, starting = request.request_id, self.starting
         try:
-            prompt_ids = await asyncio.to_thread(self.servicer._prompt_ids, request)
+            self.engine.check_accepting()
+            prompt_ids = await self.servicer.prompt_ids(request)
             if starting.get(rid) is not token:
                 return  # cancelled while tokenising (its id may have been reused since)
             self.running[rid] = self.engine.submit(
@@ -398,6 +423,13 @@ class _ManyCall:
             task.cancel()
         for stream in self.running.values():
             self.engine.abort(stream)
+
+
+def _input_bytes(request: pb.GenerateRequest | pb.TokenizeRequest) -> int:
+    """The size of a text or chat input as sent. A chat counts whole (every field of every
+    message, the tools, documents and template kwargs): cheap, and no field is left to
+    hide a huge input in."""
+    return len(request.text.encode()) + request.chat.ByteSize()  # (one of them is unset: 0)
 
 
 def _resumed(request: pb.GenerateRequest) -> int:

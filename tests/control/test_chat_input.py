@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,7 +17,9 @@ import grpc
 import pytest
 
 from control_plane.chat_template import ChatTemplateError, render_chat
-from control_plane.server import ControlServicer
+from control_plane.config import ControlConfig
+from control_plane.engine import ControlEngine
+from control_plane.server import BIG_INPUT_BYTES, ControlServicer
 from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
 from hetero_proto import control_pb2 as pb
 
@@ -42,6 +45,11 @@ class _Context:
         raise _Aborted(code, details)
 
 
+def _engine(tok: TokenizerWrapper, scheduler: object) -> SimpleNamespace:
+    """What the servicer reads of its engine, a compute plane attached."""
+    return SimpleNamespace(tokenizer=tok, scheduler=scheduler, check_accepting=lambda: None)
+
+
 @pytest.fixture(scope="module")
 def tok(smollm2_path: Path) -> TokenizerWrapper:
     return load_tokenizer(smollm2_path)
@@ -49,13 +57,13 @@ def tok(smollm2_path: Path) -> TokenizerWrapper:
 
 @pytest.fixture(scope="module")
 def servicer(tok: TokenizerWrapper) -> ControlServicer:
-    return ControlServicer(SimpleNamespace(tokenizer=tok, scheduler=None), "m")  # type: ignore[arg-type]
+    return ControlServicer(_engine(tok, None), "m")  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def bounded(tok: TokenizerWrapper) -> ControlServicer:
     """A servicer whose compute plane has a context of MAX_MODEL_LEN tokens."""
-    engine = SimpleNamespace(tokenizer=tok, scheduler=SimpleNamespace(max_model_len=MAX_MODEL_LEN))
+    engine = _engine(tok, SimpleNamespace(max_model_len=MAX_MODEL_LEN))
     return ControlServicer(engine, "m")  # type: ignore[arg-type]
 
 
@@ -198,3 +206,52 @@ def test_a_text_at_the_size_bound_is_tokenised(
     at_bound = pb.TokenizeRequest(text="x" * (MAX_MODEL_LEN * tok.max_token_bytes))
     reply = asyncio.run(bounded.Tokenize(at_bound, _Context()))  # type: ignore[arg-type]
     assert reply.count > MAX_MODEL_LEN and reply.max_model_len == MAX_MODEL_LEN
+
+
+def test_a_small_input_is_tokenised_while_big_ones_fill_their_lane(tok: TokenizerWrapper) -> None:
+    """More big inputs than any default thread pool has workers are tokenising (held
+    here): a small request is still tokenised at once, not queued behind them."""
+    release = threading.Event()
+    servicer = ControlServicer(_engine(tok, None), "m")  # type: ignore[arg-type]
+    tokenise = servicer._prompt_ids
+
+    def held(request: pb.TokenizeRequest, add_special_tokens: bool = True) -> list[int]:
+        if len(request.text) > BIG_INPUT_BYTES:
+            release.wait(30)
+        return tokenise(request, add_special_tokens)
+
+    servicer._prompt_ids = held  # type: ignore[method-assign]
+
+    async def go() -> pb.TokenizeResponse:
+        big = pb.TokenizeRequest(text="x" * (BIG_INPUT_BYTES + 1))
+        bigs = [asyncio.create_task(servicer.Tokenize(big, _Context())) for _ in range(40)]  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)
+        try:
+            small = servicer.Tokenize(pb.TokenizeRequest(text="Hi"), _Context())  # type: ignore[arg-type]
+            return await asyncio.wait_for(small, 10)
+        finally:
+            release.set()
+            await asyncio.gather(*bigs)
+
+    assert asyncio.run(go()).token_ids == tok.encode("Hi")
+
+
+def test_generate_without_a_compute_plane_is_refused_before_tokenising(
+    tok: TokenizerWrapper, smollm2_path: Path
+) -> None:
+    """No compute plane attached: Generate is UNAVAILABLE at once, not after seconds of
+    tokenising a prompt that could only be refused (Tokenize still works)."""
+    engine = ControlEngine(ControlConfig(model=str(smollm2_path), metrics_port=-1), tok)
+    servicer = ControlServicer(engine, "m")
+    tokenised = []
+    tokenise = servicer._prompt_ids
+
+    def counted(request: pb.GenerateRequest, add_special_tokens: bool = True) -> list[int]:
+        tokenised.append(request.WhichOneof("input"))
+        return tokenise(request, add_special_tokens)
+
+    servicer._prompt_ids = counted  # type: ignore[method-assign]
+    refused = _refusal(servicer, "Generate", {"text": "x" * 1_000_000})
+    assert refused == ("UNAVAILABLE", "no compute plane is attached") and tokenised == []
+    reply = asyncio.run(servicer.Tokenize(pb.TokenizeRequest(text="Hi"), _Context()))  # type: ignore[arg-type]
+    assert reply.token_ids == tok.encode("Hi") and tokenised == ["text"]

@@ -169,7 +169,8 @@ def test_a_refusal_after_the_client_stopped_sending_is_still_written() -> None:
                 release.wait(10)
             raise AdmissionError(f"{request.request_id} refused")
 
-        servicer = ControlServicer(SimpleNamespace(tokenizer=None), "m")  # type: ignore[arg-type]
+        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
+        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
         servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
 
         async def starts() -> AsyncIterator[pb.GenerateManyRequest]:
