@@ -20,7 +20,7 @@ from control_plane import metrics
 from control_plane.block_pool import BlockHash, chain_hash
 from control_plane.compute_client import ComputeClient, ComputeLink, ComputeLinkError
 from control_plane.config import ControlConfig
-from control_plane.grammar import Grammars
+from control_plane.grammar import GrammarError, Grammars
 from control_plane.input_processor import InputProcessor
 from control_plane.output_processor import OutputProcessor
 from control_plane.outputs import Choice, GenerateStream, Outbox
@@ -239,6 +239,16 @@ class ControlEngine:
             raise ComputeUnavailable("the control plane is shutting down")
         if not any(p.accepting for p in self.planes.values()):
             raise ComputeUnavailable("no compute plane is attached")
+
+    async def prepare(self, params: pb.GenerationParams) -> None:
+        """Before `submit`: compile the request's grammar off the event loop (cached;
+        `Grammars.prepare`), so that admitting it takes no seconds on the loop.
+        AdmissionError when it does not compile."""
+        if params.HasField("structured"):
+            try:
+                await self.grammars.prepare(params.structured)
+            except GrammarError as e:
+                raise AdmissionError(str(e)) from None
 
     # ------------------------------------------------------------ placement
     def _place(self, token_ids: list[int], exclude: ComputePlane | None = None) -> ComputePlane:

@@ -13,10 +13,12 @@ JSON schema takes 10-90 µs on this 2-core machine (docs/api.md).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import llguidance as llg
@@ -25,6 +27,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from control_plane import metrics
 from control_plane.tokenizer import TokenizerWrapper
+from hetero_common.cpus import half_the_cpus
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -82,6 +85,17 @@ def _from_schema(schema: dict[str, Any] | bool) -> str:
         raise GrammarError(f"json_schema: {e}") from None
 
 
+def _build(spec: pb.StructuredOutput, lltok: llg.LLTokenizer) -> llg.LLMatcher:
+    """A spec's matcher (any thread); GrammarError when it does not compile."""
+    t0 = time.perf_counter()
+    # (no validate_grammar first: it parses the grammar again and says the same)
+    m = llg.LLMatcher(lltok, grammar_text(spec), log_level=0)
+    if m.is_error():
+        raise GrammarError(f"{spec.WhichOneof('kind')}: {m.get_error()}")
+    metrics.grammar_compile_seconds.observe(time.perf_counter() - t0)
+    return m
+
+
 def spec_key(spec: pb.StructuredOutput) -> bytes:
     return spec.SerializeToString(deterministic=True)
 
@@ -96,6 +110,7 @@ class Grammars:
         self._size = tokenizer.vocab_size
         self._cache: OrderedDict[bytes, llg.LLMatcher] = OrderedDict()
         self._executor: llg.LLExecutor | None = None
+        self._compiler = ThreadPoolExecutor(half_the_cpus(), thread_name_prefix="grammar")
 
     def bind(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """The attached model's vocabulary and EOS ids (masks cover min(tokenizer, model))."""
@@ -110,31 +125,53 @@ class Grammars:
     @property
     def lltok(self) -> llg.LLTokenizer:
         if self._lltok is None:
-            self._lltok = llg.LLTokenizer(
-                self.tokenizer.tok.to_str(),
-                n_vocab=self.tokenizer.vocab_size,
-                eos_token=list(self._eos or self.tokenizer.eos_token_ids),
-            )
+            self._lltok = self._new_lltok()
         return self._lltok
+
+    def _new_lltok(self) -> llg.LLTokenizer:
+        return llg.LLTokenizer(
+            self.tokenizer.tok.to_str(),
+            n_vocab=self.tokenizer.vocab_size,
+            eos_token=list(self._eos or self.tokenizer.eos_token_ids),
+        )
 
     def compile(self, spec: pb.StructuredOutput) -> llg.LLMatcher:
         """The pristine matcher of a spec (cached); GrammarError when it does not compile."""
         key = spec_key(spec)
+        if (m := self._cached(key)) is not None:
+            return m
+        lltok = self.lltok
+        return self._store(key, lltok, _build(spec, lltok))
+
+    async def prepare(self, spec: pb.StructuredOutput) -> None:
+        """Compile a spec into the cache off the event loop (GrammarError as `compile`),
+        so that `start` finds it there: a big grammar takes seconds to compile (llguidance
+        releases the GIL), and on the loop it would stall every stream of the plane. The
+        compiling lane has half the CPUs: a burst of huge grammars never takes them all."""
+        key = spec_key(spec)
+        if self._cached(key) is not None:
+            return
+        loop = asyncio.get_running_loop()
+        lltok = self._lltok
+        if lltok is None:
+            bound = self._eos, self._size
+            lltok = await loop.run_in_executor(self._compiler, self._new_lltok)
+            if self._lltok is None and (self._eos, self._size) == bound:
+                self._lltok = lltok
+        m = await loop.run_in_executor(self._compiler, _build, spec, lltok)
+        self._store(key, lltok, m)
+
+    def _cached(self, key: bytes) -> llg.LLMatcher | None:
         if (m := self._cache.get(key)) is not None and not m.is_error():
             self._cache.move_to_end(key)
             return m  # (compiled again once a copy failed: copies share the error)
-        t0 = time.perf_counter()
-        grammar = grammar_text(spec)
-        error = llg.LLMatcher.validate_grammar(grammar, self.lltok)
-        if error:
-            raise GrammarError(f"{spec.WhichOneof('kind')}: {error}")
-        m = llg.LLMatcher(self.lltok, grammar, log_level=0)
-        if m.is_error():
-            raise GrammarError(f"{spec.WhichOneof('kind')}: {m.get_error()}")
-        metrics.grammar_compile_seconds.observe(time.perf_counter() - t0)
-        self._cache[key] = m
-        if len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
+        return None
+
+    def _store(self, key: bytes, lltok: llg.LLTokenizer, m: llg.LLMatcher) -> llg.LLMatcher:
+        if lltok is self._lltok:  # (not when `bind` changed the vocabulary meanwhile)
+            self._cache[key] = m
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
         return m
 
     def start(self, spec: pb.StructuredOutput, output: Sequence[int] = ()) -> GrammarState:

@@ -13,7 +13,6 @@ import contextvars
 import functools
 import json
 import logging
-import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +27,7 @@ from control_plane.engine import ComputeUnavailable, ControlEngine, RequestFaile
 from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
+from hetero_common.cpus import half_the_cpus
 from hetero_common.grpc_health import HealthReporter
 from hetero_common.grpc_server import GrpcPlane
 from hetero_common.model_path import model_display_name, resolve_model_path
@@ -172,9 +172,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self.tokenizer: TokenizerWrapper = engine.tokenizer
         self.model_name = model_name
         self.generation_defaults = json.dumps(generation_defaults or {})
-        # Half the CPUs this process may use: big inputs never take them all.
-        lanes = max(1, len(os.sched_getaffinity(0)) // 2)
-        self._big_lane = ThreadPoolExecutor(lanes, thread_name_prefix="tokenize-big")
+        # Big inputs never take every CPU.
+        self._big_lane = ThreadPoolExecutor(half_the_cpus(), thread_name_prefix="tokenize-big")
 
     async def prompt_ids(
         self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
@@ -239,6 +238,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         try:
             self.engine.check_accepting()
             prompt_ids = await self.prompt_ids(request)
+            await self.engine.prepare(request.params)
             stream = self.engine.submit(
                 prompt_ids,
                 request.params,
@@ -387,8 +387,9 @@ class _ManyCall:
         try:
             self.engine.check_accepting()
             prompt_ids = await self.servicer.prompt_ids(request)
+            await self.engine.prepare(request.params)
             if starting.get(rid) is not token:
-                return  # cancelled while tokenising (its id may have been reused since)
+                return  # cancelled meanwhile (its id may have been reused since)
             self.running[rid] = self.engine.submit(
                 prompt_ids,
                 request.params,

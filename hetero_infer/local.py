@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hetero_common.cpus import usable_cpus
+
 START_TIMEOUT = 300.0  # seconds a plane may take to be serving, unless told otherwise
 
 
@@ -187,7 +189,7 @@ def local_planes(
     control_args += ["--metrics-port", str(cmetrics), *extra_control]
     threads: tuple[str, ...] = ()
     if num_compute > 1 and not any(a.startswith("--num-threads") for a in extra_compute):
-        share = max(1, len(os.sched_getaffinity(0)) // num_compute)
+        share = max(1, usable_cpus() // num_compute)
         threads = ("--num-threads", str(share))
     compute_planes = []
     for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):

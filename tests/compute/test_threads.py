@@ -9,29 +9,30 @@ from pathlib import Path
 
 import pytest
 
-from compute_plane import threads
+from hetero_common import cpus
 
 
 def test_cgroup_quota_v2_and_v1(tmp_path: Path) -> None:
     (tmp_path / "cpu.max").write_text("150000 100000\n")
-    assert threads.cgroup_cpu_quota(tmp_path) == 1.5
+    assert cpus.cgroup_cpu_quota(tmp_path) == 1.5
     (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert threads.cgroup_cpu_quota(tmp_path) is None
+    assert cpus.cgroup_cpu_quota(tmp_path) is None
     (tmp_path / "cpu.max").unlink()
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert threads.cgroup_cpu_quota(tmp_path) == 3.0
+    assert cpus.cgroup_cpu_quota(tmp_path) == 3.0
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert threads.cgroup_cpu_quota(tmp_path) is None
-    assert threads.cgroup_cpu_quota(tmp_path / "absent") is None
+    assert cpus.cgroup_cpu_quota(tmp_path) is None
+    assert cpus.cgroup_cpu_quota(tmp_path / "absent") is None
 
 
 def test_usable_cpus_follow_the_affinity_mask(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda: None)
-    assert threads.usable_cpus() == len(os.sched_getaffinity(0))
-    monkeypatch.setattr(threads, "cgroup_cpu_quota", lambda: 0.5)
-    assert threads.usable_cpus() == 1  # half a CPU of quota: one thread
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: None)
+    assert cpus.usable_cpus() == len(os.sched_getaffinity(0))
+    monkeypatch.setattr(cpus, "cgroup_cpu_quota", lambda: 0.5)
+    assert cpus.usable_cpus() == 1  # half a CPU of quota: one thread
+    assert cpus.half_the_cpus() == 1
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to one")

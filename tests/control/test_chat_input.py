@@ -47,7 +47,13 @@ class _Context:
 
 def _engine(tok: TokenizerWrapper, scheduler: object) -> SimpleNamespace:
     """What the servicer reads of its engine, a compute plane attached."""
-    return SimpleNamespace(tokenizer=tok, scheduler=scheduler, check_accepting=lambda: None)
+
+    async def prepare(params: pb.GenerationParams) -> None:
+        pass
+
+    return SimpleNamespace(
+        tokenizer=tok, scheduler=scheduler, check_accepting=lambda: None, prepare=prepare
+    )
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@ bundled tokenizer, masks advanced token by token, and the wire forms of a mask."
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control_plane import grammar as grammar_module
 from control_plane.grammar import GrammarError, Grammars, GrammarState, encode_mask
 from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
 from hetero_proto import compute_pb2 as cpb
@@ -190,3 +193,42 @@ def test_a_matcher_past_llguidance_limits_fails_each_time_not_as_a_stop(
         grammars.start(pb.StructuredOutput(grammar="root ::= root"))
     with pytest.raises(GrammarError, match="nested too deeply"):
         grammars.compile(pb.StructuredOutput(json_schema='{"items":' * 5000 + "{}" + "}" * 5000))
+
+
+def test_prepare_compiles_off_the_event_loop_once(
+    tok: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big grammar compiles for seconds: `prepare` builds it in its lane, not on the event
+    loop (every stream would stall), and `start` then takes it from the cache; a spec that
+    does not compile is the same GrammarError there as in `start`; a fresh Grammars
+    builds its tokenizer view off the loop too."""
+    built: list[str] = []
+    build = grammar_module._build
+
+    def recorded(spec: pb.StructuredOutput, lltok: object) -> object:
+        built.append(threading.current_thread().name)
+        return build(spec, lltok)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar_module, "_build", recorded)
+    grammars = Grammars(tok)
+    new_lltok = grammars._new_lltok
+
+    def recorded_lltok() -> object:
+        built.append("lltok " + threading.current_thread().name)
+        return new_lltok()
+
+    grammars._new_lltok = recorded_lltok  # type: ignore[method-assign]
+    spec = pb.StructuredOutput(regex="(yes|no) [0-9]{3}")
+
+    async def go() -> str:
+        await grammars.prepare(spec)
+        await grammars.prepare(spec)  # cached: not built again
+        with pytest.raises(GrammarError, match=r"^regex: "):
+            await grammars.prepare(pb.StructuredOutput(regex="(unclosed"))
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(go())
+    state = grammars.start(spec)
+    assert len(built) == 3 and built[0].startswith("lltok grammar"), built
+    assert all(t.startswith("grammar") for t in built[1:]) and loop_thread not in built
+    assert state.mask is not None and not state.dead
