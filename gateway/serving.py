@@ -103,10 +103,14 @@ def vllm_prompt_logprobs(
     return out
 
 
-def echo_logprobs(first: str, lps: list[pb.TokenLogprob], top: int | None) -> dict[str, Any]:
-    """Completions' logprobs of an echoed prompt: its first token has none (nothing
-    precedes it), the others theirs (`top` alternatives), from offset 0."""
-    body = completion_logprobs(lps, len(first), top)
+def echo_logprobs(
+    text: str, first: str, lps: list[pb.TokenLogprob], top: int | None
+) -> dict[str, Any]:
+    """Completions' logprobs of an echoed prompt `text`: its first token has none (nothing
+    precedes it), the others theirs (`top` alternatives), from offset 0. A first token the
+    text does not start with (the BOS the tokenizer added) takes no characters of it, so
+    the offsets index the echoed text as the generated tokens' do."""
+    body = completion_logprobs(lps, len(first) if text.startswith(first) else 0, top)
     return {
         "tokens": [first, *body["tokens"]],
         "token_logprobs": [None, *body["token_logprobs"]],
@@ -460,7 +464,7 @@ class CompletionServing(Serving[CompletionRequest]):
             call.echoed.add(d.index)
             text = call.echo[prompt] + text
             plps = call.prompt_lps.get(prompt, [])
-            head = echo_logprobs(call.first_tokens[prompt], plps, body.logprobs)
+            head = echo_logprobs(call.echo[prompt], call.first_tokens[prompt], plps, body.logprobs)
             call.offsets[d.index] = len(call.echo[prompt])
         if body.logprobs is not None:
             at = call.offsets.get(d.index, 0)
@@ -492,7 +496,7 @@ class CompletionServing(Serving[CompletionRequest]):
                 lp = completion_logprobs(st.logprobs, len(prefix))
                 if body.echo:
                     first = await self.first_token(prompts[idx // body.n])
-                    lp = join_logprobs(echo_logprobs(first, plps, body.logprobs), lp)
+                    lp = join_logprobs(echo_logprobs(prefix, first, plps, body.logprobs), lp)
             reason = FINISH.get(st.finish_reason)
             want_ids, want_plps = body.return_token_ids, body.prompt_logprobs is not None
             choice = {

@@ -409,6 +409,27 @@ def test_echoed_logprobs_and_prompt_logprobs_each_get_their_own_count(
             assert plps[0] is None and [len(x) for x in plps[1:]] == [prompt_logprobs + 1] * 2
 
 
+def test_echoed_offsets_index_the_text_when_its_bos_is_not_in_it(client: TestClient) -> None:
+    """A text prompt's echo is the text as sent; the BOS the tokenizer put first (here
+    "t11") is not in it, so it takes no characters: every offset indexes the echoed text,
+    prompt tokens' as the generated ones' (they were counted from after the BOS, running
+    backwards at the first generated token: Gemma 3's 0, 5, ..., 26, 24)."""
+    body = {"model": MODEL, "prompt": "p12p13", "echo": True, "logprobs": 0}
+    for stream in (False, True):
+        r = client.post("/v1/completions", json=body | {"stream": stream})
+        choices = (
+            [c["choices"][0] for c in _events(r.text) if c["choices"]]
+            if stream
+            else r.json()["choices"]
+        )
+        text = "".join(c["text"] for c in choices)
+        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        assert text == "p12p13Hello!" and tokens == ["t11", "p12", "p13", "Hel", "lo", "!"]
+        assert offsets == [0, 0, 3, 6, 9, 11], stream
+        assert all(text[o : o + len(t)] == t for t, o in zip(tokens[1:], offsets[1:], strict=True))
+
+
 def test_models_and_ready(client: TestClient) -> None:
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
     assert client.get("/ready").json() == {"status": "ready", "model": MODEL}
