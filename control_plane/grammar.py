@@ -24,6 +24,7 @@ from typing import Any
 import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
+from tokenizers import Tokenizer
 
 from control_plane import metrics
 from control_plane.tokenizer import TokenizerWrapper
@@ -100,6 +101,35 @@ def spec_key(spec: pb.StructuredOutput) -> bytes:
     return spec.SerializeToString(deterministic=True)
 
 
+class _LLGuidanceVocab:
+    """Our tokenizer as llguidance reads one: each token's bytes, the special ones (and
+    only they) behind llguidance's 0xFF marker, and an encoder that reads special tokens'
+    text as text. llguidance's own loader of a tokenizer.json also marks added tokens that
+    look like tags special (Gemma's <b>, <h1>, ...) while its encoder still yields them for
+    their text, and that encoder yields <end_of_turn> for the text "<end_of_turn>": a
+    grammar whose text is forced through such a string ("<b>" as a regex) got a token its
+    own mask allowed and its matcher refused, failing the request."""
+
+    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+        special = tokenizer.all_special_ids
+        self.eos_token_id = (tokenizer.eos_token_ids or (0,))[0]
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(special)
+        self.tokens = [
+            b"\xff" + (tokenizer.tok.id_to_token(i) or "").encode()
+            if i in special
+            else tokenizer.token_bytes(i)
+            for i in range(tokenizer.vocab_size)
+        ]
+        self._tok = Tokenizer.from_str(tokenizer.tok.to_str())
+        self._tok.encode_special_tokens = True
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):  # llguidance tries bytes first, then passes text
+            raise TypeError("text only")
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+
 class Grammars:
     """Compiles specs for one tokenizer; a request gets a copy of the cached matcher."""
 
@@ -130,7 +160,7 @@ class Grammars:
 
     def _new_lltok(self) -> llg.LLTokenizer:
         return llg.LLTokenizer(
-            self.tokenizer.tok.to_str(),
+            llg.TokenizerWrapper(_LLGuidanceVocab(self.tokenizer)),
             n_vocab=self.tokenizer.vocab_size,
             eos_token=list(self._eos or self.tokenizer.eos_token_ids),
         )

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from control_plane import grammar as grammar_module
 from control_plane.grammar import GrammarError, Grammars, GrammarState, encode_mask
 from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from hetero_common.model_path import GEMMA3_DISTRIBUTION, gemma3_gguf
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
+from tests.conftest import installed
 
 SCHEMA = {
     "type": "object",
@@ -80,6 +82,45 @@ def _walk(grammars: Grammars, spec: pb.StructuredOutput, ids: list[int]) -> Gram
         assert state.mask is not None and t in allowed_set(state.mask), t
         grammars.advance([(state, t)])
     return state
+
+
+def _follow(grammars: Grammars, spec: pb.StructuredOutput) -> tuple[GrammarState, list[int]]:
+    """Sample the lowest id each mask allows until the grammar is complete or dead."""
+    state, out = grammars.start(spec), []
+    while not (state.complete or state.dead) and len(out) < 32:
+        assert state.mask is not None
+        out.append(min(allowed_set(state.mask)))
+        grammars.advance([(state, out[-1])])
+    return state, out
+
+
+@pytest.mark.parametrize("regex", [r"<\|im_end\|>", r"a<\|im_start\|>b", "<b>"])
+def test_text_spelling_a_special_token_is_generated_as_text(
+    grammars: Grammars, tok: TokenizerWrapper, regex: str
+) -> None:
+    """A grammar that forces the text of a special token ("<|im_end|>" as a regex) is
+    generated as that text. llguidance's tokenizer.json loader tokenised the forced text
+    into the special token, which its own matcher then refused: the request failed with
+    'token "\\xff[2]" doesn't satisfy the grammar'."""
+    state, out = _follow(grammars, pb.StructuredOutput(regex=regex))
+    assert state.complete and not state.dead, state.error
+    assert tok.decode(out) == regex.replace("\\", "")
+    assert not set(out) & tok.all_special_ids
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed(GEMMA3_DISTRIBUTION), reason="needs the Gemma 3 packages")
+def test_gemma3_tag_tokens_and_special_text_in_a_forced_grammar() -> None:
+    """Gemma 3's vocabulary has HTML tags as user-defined tokens (<b> = 200, <h1> = 184):
+    text, not special, which llguidance's loader marks special by their look while its
+    encoder still gives them for their text; a regex "<b>" failed on its first token."""
+    tok = load_tokenizer(gemma3_gguf())
+    grammars = Grammars(tok)
+    grammars.bind(tok.vocab_size, frozenset(tok.eos_token_ids))
+    for regex in ("<b>", "x<h1>y", "<end_of_turn>", "<bos>"):
+        state, out = _follow(grammars, pb.StructuredOutput(regex=regex))
+        assert state.complete and not state.dead, (regex, state.error)
+        assert tok.decode(out) == regex and not set(out) & tok.all_special_ids, regex
 
 
 def test_valid_json_instance_is_allowed_token_by_token(
