@@ -48,6 +48,12 @@ _GLOBAL_NAMES = {
 }
 # llama.cpp ends generation on any of these, as HF does on generation_config's eos list.
 _EOG_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+# Control tokens that end a chat turn, which a file may leave out of those keys (Gemma 3's
+# names only <eos>, where its HF generation_config lists <end_of_turn> too): llama.cpp
+# ends on them by their text, and so do we. Not <|endoftext|>, a document's end, which
+# llama.cpp adds as well: SmolLM2's HF config leaves it out.
+_TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
+_CONTROL = 3  # tokenizer.ggml.token_type of a control (special) token
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -142,7 +148,10 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     vocab = len(tokens.data) if tokens is not None else int(tensors["token_embd.weight"].shape[1])
     n_head, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = (_field(reader, f"tokenizer.ggml.{k}") for k in _EOG_KEYS)
+    eos = [_field(reader, f"tokenizer.ggml.{k}") for k in _EOG_KEYS]
+    if tokens is not None and (types := reader.fields.get("tokenizer.ggml.token_type")):
+        ends, kinds = set(_TURN_ENDS), types.contents()
+        eos += [i for i, t in enumerate(tokens.contents()) if t in ends and kinds[i] == _CONTROL]
     gemma: dict[str, Any] = {}
     if arch == "gemma3":
         n, head_dim = int(meta("block_count")), int(meta("attention.key_length"))

@@ -126,6 +126,17 @@ def test_the_control_planes_tokenizer_equals_transformers(gguf: Path, hf_tokeniz
         assert b"".join(ours.token_bytes(i) for i in ids[1:]).decode() == text
 
 
+def test_generation_ends_at_the_end_of_a_turn(gguf: Path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The file names only <eos> as its end; Gemma's chat turns end with <end_of_turn>
+    (its HF generation_config lists both, llama.cpp ends on both): the compute plane
+    reports both, so a chat reply ends where the model closes its turn."""
+    from compute_plane.loader.gguf_file import read_config
+    from hetero_common.gguf_reader import FastGGUFReader
+
+    ends = hf_tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
+    assert read_config(gguf, FastGGUFReader(gguf)).eos_token_ids == tuple(ends)
+
+
 def test_served_through_the_three_planes(hf_tokenizer, hf_answers) -> None:  # type: ignore[no-untyped-def]
     """`--model gemma3` in all three processes, the official openai client: greedy text
     (dequantized weights) equals transformers' for the same prompt."""
