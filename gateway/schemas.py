@@ -36,6 +36,8 @@ def _encodable(v: J) -> J:
     """JSON may spell lone UTF-16 surrogates ("\\ud800"); they are not text, and the
     tokenizer cannot take them. In free-form JSON (a schema, template variables) every
     key and string is checked, wherever it nests."""
+    if isinstance(v, str) and v.isascii():  # (most strings: the walk costs more than this)
+        return v
     if (where := _lone_surrogate(v)) is not None:
         raise ValueError(f"contains a lone UTF-16 surrogate {where}")
     return v
