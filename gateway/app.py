@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from gateway.auth import require_api_key
+from gateway.bodies import body_schema, document, read_body
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
 from gateway.control_planes import ControlPlanes
@@ -129,8 +130,13 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
     app.api_route("/v1/models", methods=READ)(functools.partial(_models, link))
     app.api_route("/v1/models/{model_id:path}", methods=READ)(functools.partial(_model, link))
     args = (link.model_name, link.mux, link.open, config.request_timeout, link.settings)
-    app.post("/v1/completions", response_model=None)(_endpoint(CompletionServing(*args)))
-    app.post("/v1/chat/completions", response_model=None)(_endpoint(ChatServing(*args)))
+    for path, serving, model in (
+        ("/v1/completions", CompletionServing(*args), CompletionRequest),
+        ("/v1/chat/completions", ChatServing(*args), ChatCompletionRequest),
+    ):
+        route = app.post(path, response_model=None, openapi_extra=body_schema(model))
+        route(_endpoint(serving))
+    document(app, [CompletionRequest, ChatCompletionRequest])
     app.post("/tokenize")(functools.partial(_tokenize, link))
     app.post("/detokenize")(functools.partial(_detokenize, link))
     app.api_route("/version", methods=READ)(_version)
@@ -185,16 +191,17 @@ async def _version() -> dict[str, str]:
 
 
 def _endpoint(serving: CompletionServing | ChatServing) -> Any:
-    """A route function FastAPI can read the body type from."""
+    """The route function of a generate endpoint: it reads its own body (`read_body`:
+    a big one is validated off the event loop)."""
     if isinstance(serving, CompletionServing):
 
-        async def completions(body: CompletionRequest, request: Request) -> Response:
-            return await serving(body, request)
+        async def completions(request: Request) -> Response:
+            return await serving(await read_body(request, CompletionRequest), request)
 
         return completions
 
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving(body, request)
+    async def chat_completions(request: Request) -> Response:
+        return await serving(await read_body(request, ChatCompletionRequest), request)
 
     return chat_completions
 
