@@ -6,6 +6,7 @@ several can sit behind one control plane later.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -106,7 +107,17 @@ class ComputeClient:
         """Send one step; its result comes from `receive`."""
         assert self._run is not None, "attach() first"
         with self._link_errors():
-            await self._run.write(request)
+            try:
+                await self._run.write(request)
+            except asyncio.InvalidStateError as e:
+                # The stream ended while nothing was in flight (the compute plane died
+                # while idle): grpc refuses the write without its status, which is the
+                # link's failure as any other (else the step loop died with it).
+                code = await self._run.code()
+                details = await self._run.details()
+                raise ComputeLinkError(
+                    f"compute plane {self.address}: {code.name}: {details}", code.name
+                ) from e
 
     async def receive(self) -> pb.StepResult:
         """The result of the step sent last."""

@@ -137,3 +137,42 @@ def test_gateway_reopens_its_call_after_a_control_plane_crash() -> None:
             )
             assert after.status_code == 200, after.text
             assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+
+
+def test_a_request_sent_to_a_compute_plane_that_died_idle_waits_for_it() -> None:
+    """A compute plane killed while idle: its step stream is over before the watchdog's
+    health checks notice (two misses, 0.5 s apart), so the next request's step is written
+    to a finished stream. That is the link's failure as any other: the request waits for
+    the plane and runs once it is back (grpc's InvalidStateError ended the step loop: the
+    request hung and the plane was never attached again)."""
+    kport, cport = free_port(), free_port()
+    compute, control = f"127.0.0.1:{kport}", f"127.0.0.1:{cport}"
+    compute_cmd = ["compute-plane", "--port", str(kport), "--metrics-port", "-1"]
+    compute_cmd += ["--kv-cache-bytes", str(32 << 20)]
+    control_cmd = ["control-plane", "--port", str(cport), "--compute", compute]
+    control_cmd += ["--metrics-port", "-1"]
+    prompt = _prompts()[0]
+    with contextlib.ExitStack() as stack:
+        kproc = stack.enter_context(child(compute_cmd, compute))
+        stack.enter_context(child(control_cmd, control))
+        stub = pb_grpc.ControlPlaneStub(stack.enter_context(grpc.insecure_channel(control)))
+        expected = generate(stub, greedy(prompt, 8)).tokens[0]
+        time.sleep(0.5)  # the step loop is idle (the step that releases the request is back)
+        kproc.send_signal(signal.SIGKILL)
+        kproc.wait()
+        time.sleep(0.2)  # the stream has ended; the watchdog has not missed twice yet
+        got: list[list[int]] = []
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                got.append(generate(stub, greedy(prompt, 8), timeout=60).tokens[0])
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        with child(compute_cmd, compute):
+            thread.join(timeout=90)
+        assert not errors, errors
+        assert got == [expected]
