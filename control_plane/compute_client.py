@@ -173,6 +173,7 @@ class InProcessLink:
         self._sent: deque[pb.StepRequest] = deque()
 
     async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse:
+        self._sent.clear()  # (as a new Run stream: the old one's steps went with it)
         if self._on_attach is not None:
             self._on_attach()
         return self._describe()

@@ -326,7 +326,7 @@ class ComputePlane:
                         self.address,
                         now - self._lost_since,
                     )
-                    self._fail_all(e)
+                    self._fail_all(ComputeUnavailable(f"compute plane lost: {e}"))
                 elif self._parked:
                     log.info(
                         "%d requests wait for compute plane %s to come back",
@@ -343,6 +343,17 @@ class ComputePlane:
                     # serving, not up to 2 s later.
                     await asyncio.sleep(0.1)
                     continue
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            except Exception as e:
+                # A bug here: say so, and fail this plane's requests rather than leave
+                # them waiting on a loop that is gone (with the plane still reported
+                # attached); then attach afresh.
+                log.exception("compute plane %s: the step loop failed", self.address)
+                self._forget_in_flight()
+                if self.attached.is_set():
+                    self._detach()
+                self._fail_all(RequestFailed("INTERNAL", f"the control plane failed: {e!r}"))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
@@ -577,14 +588,18 @@ class ComputePlane:
             if (entry := self.engine.choices.get(f.request_id)) is not None:
                 self.engine._fail_stream(entry[0], RequestFailed(f.code, f.message))
 
+    def _forget_in_flight(self) -> None:
+        """The steps in flight are lost with the step stream: expect no result of them."""
+        self._in_flight.clear()
+        self._advanced.clear()
+        self._marks.clear()
+
     def _quarantine(self) -> None:
         """The compute plane failed with a step in flight: its requests are suspects; one
         that was in flight MAX_COMPUTE_FAILURES times in a row is failed, not re-sent."""
         # Each request once per failure, whichever of the steps in flight hold it.
         reqs = {req: None for out in self._in_flight for req, _ in out.scheduled()}
-        self._in_flight.clear()
-        self._advanced.clear()
-        self._marks.clear()
+        self._forget_in_flight()
         for req in reqs:
             rid = req.request_id
             count = self._suspects[rid] = self._suspects.get(rid, 0) + 1
@@ -770,15 +785,16 @@ class ComputePlane:
                 self._wake.set()
                 return
 
-    def _fail_all(self, error: Exception) -> None:
-        """The compute plane stayed away and no other takes its requests: fail them."""
+    def _fail_all(self, failure: Exception) -> None:
+        """Fail every request of this plane with `failure` (the compute plane stayed away
+        and no other takes its requests, or the step loop failed)."""
         streams = {}
         for req, _ in self._parked + self._held:
             if (entry := self.engine.choices.get(req.request_id)) is not None:
                 streams[entry[0].stream_id] = entry[0]
         self._parked, self._held, self._suspects = [], [], {}
         for stream in streams.values():
-            self.engine._fail_stream(stream, ComputeUnavailable(f"compute plane lost: {error}"))
+            self.engine._fail_stream(stream, failure)
         self.scheduler = None
         lm = self._loop_metrics
         for gauge in (lm.running, lm.waiting, lm.kv_usage):

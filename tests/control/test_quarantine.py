@@ -78,3 +78,46 @@ def test_a_request_that_crashes_the_compute_plane_twice_is_failed(smollm2_path: 
     assert crashes == 2
     assert got == clean  # the others finish, their tokens unchanged
     assert all(isinstance(v, list) and len(v) == 8 for v in clean.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_step_loop_that_fails_fails_its_requests_and_starts_afresh(
+    smollm2_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug in the control plane's step loop (here: emitting a step's tokens raises once)
+    fails the requests it was running, with INTERNAL and a log line, instead of leaving
+    them waiting on a loop that is gone; the plane attaches again and serves the next
+    request with the tokens it gets when nothing fails."""
+
+    async def run() -> tuple[list[int] | BaseException, list[int] | BaseException, list[int]]:
+        engine = Engine(
+            ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
+            load_model(smollm2_path, progress=False),
+        )
+        link = InProcessLink(engine.describe, engine.step, on_attach=engine.reset)
+        config = ControlConfig(model=str(smollm2_path), metrics_port=-1)
+        control = ControlEngine(config, load_tokenizer(smollm2_path), link)
+        await control.start()
+        try:
+            await control.attached.wait()
+            clean = await stream_tokens(control.submit(PROMPTS["b"], PARAMS))
+            [plane] = control.planes.values()
+            emit = plane._emit
+
+            def broken(*args: object) -> None:
+                plane._emit = emit  # type: ignore[method-assign]
+                raise RuntimeError("a bug")
+
+            plane._emit = broken  # type: ignore[method-assign]
+            failed = await stream_tokens(control.submit(PROMPTS["a"], PARAMS), errors=True)
+            await asyncio.wait_for(control.attached.wait(), 30)
+            again = await stream_tokens(control.submit(PROMPTS["b"], PARAMS), errors=True)
+            return failed, again, clean  # type: ignore[return-value]
+        finally:
+            await control.stop()
+
+    failed, again, clean = asyncio.run(asyncio.wait_for(run(), 120))
+    assert isinstance(failed, RequestFailed) and failed.code == "INTERNAL", failed
+    assert "RuntimeError('a bug')" in str(failed)
+    assert again == clean and len(clean) == 8
+    assert "the step loop failed" in caplog.text
