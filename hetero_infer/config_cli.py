@@ -55,20 +55,54 @@ def add_dataclass_arguments(
     parser.add_argument("--config", type=Path, default=None, help="JSON file of config fields")
 
 
+def _file_value(path: Path, name: str, value: Any, tp: Any) -> Any:
+    """A config file's `value` for a field of type `tp`, as the flag would have given it
+    (ValueError naming the file and the field otherwise): JSON has no int/float/bool
+    distinction a dataclass would check, and a string "false" is truthy."""
+    optional = tp is not _base_type(tp)
+    base = _base_type(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{path}: {name} must not be null")
+    if base is bool:
+        ok, want = isinstance(value, bool), "true or false"
+    elif base is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif base is float:
+        ok, want = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+        value = float(value) if ok else value
+    elif base is str:
+        ok, want = isinstance(value, str), "a string"
+    else:  # no such field yet: left to the dataclass
+        ok, want = True, ""
+    if not ok:
+        raise ValueError(f"{path}: {name} must be {want}, got {json.dumps(value)}")
+    return value
+
+
+def _read_file(path: Path, cls: type) -> dict[str, Any]:
+    """The fields a JSON config file sets, each checked against its type."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of config fields")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{path}: unknown config fields {unknown}; known: {sorted(names)}")
+    return {k: _file_value(path, k, v, hints[k]) for k, v in data.items()}
+
+
 def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
     """Build `cls` from JSON file values, then flags that were given, then overrides."""
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     values: dict[str, Any] = {}
     if getattr(args, "config", None) is not None:
-        data = json.loads(Path(args.config).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"{args.config}: expected a JSON object of config fields")
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(
-                f"{args.config}: unknown config fields {unknown}; known: {sorted(names)}"
-            )
-        values.update(data)
+        values.update(_read_file(Path(args.config), cls))
     for name in names:
         v = getattr(args, name, None)
         if v is not None:

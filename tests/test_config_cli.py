@@ -41,6 +41,46 @@ def test_unknown_field_in_file_is_named(tmp_path: Path) -> None:
         _parse(ComputeConfig, ["--config", str(f)])  # a control-plane field, not a compute one
 
 
+@pytest.mark.parametrize(
+    ("cls", "data", "message"),
+    [
+        (ComputeConfig, {"block_size": "16"}, r"block_size must be an integer, got \"16\""),
+        (ComputeConfig, {"block_size": 16.5}, "block_size must be an integer, got 16.5"),
+        (ComputeConfig, {"block_size": True}, "block_size must be an integer, got true"),
+        (ComputeConfig, {"block_size": None}, "block_size must not be null"),
+        (ComputeConfig, {"cuda_graphs": "false"}, r"cuda_graphs must be true or false"),
+        (ComputeConfig, {"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a n"),
+        (ControlConfig, {"compute": 5}, "compute must be a string, got 5"),
+        (ControlConfig, {"max_num_seqs": [64]}, r"max_num_seqs must be an integer, got \[64\]"),
+    ],
+)
+def test_wrongly_typed_file_values_are_named(
+    tmp_path: Path, cls: type, data: dict[str, object], message: str
+) -> None:
+    # Each was a TypeError/AttributeError traceback, or (a string "false") taken as true.
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"c\.json: {message}"):
+        _parse(cls, ["--config", str(f)])
+
+
+def test_file_values_of_the_right_type_are_taken(tmp_path: Path) -> None:
+    f = tmp_path / "c.json"
+    f.write_text(
+        json.dumps({"max_model_len": None, "gpu_memory_utilization": 1, "dtype": "float32"})
+    )
+    cfg = _parse(ComputeConfig, ["--config", str(f)])
+    assert cfg.max_model_len is None and cfg.dtype == "float32"
+    assert cfg.gpu_memory_utilization == 1.0 and isinstance(cfg.gpu_memory_utilization, float)
+
+
+def test_unreadable_config_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_text('{"block_size": ')
+    for path in (tmp_path / "c.json", tmp_path, tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match=rf"--config {path}"):
+            _parse(ComputeConfig, ["--config", str(path)])
+
+
 def test_invalid_values_are_refused() -> None:
     with pytest.raises(ValueError, match="max_num_seqs"):
         ControlConfig(max_num_seqs=0)
