@@ -38,13 +38,23 @@ class GrpcPlane:
 
     async def start(self) -> None:
         """Listen (NOT_SERVING until `health.set(True)`), serve /metrics, catch signals."""
-        self.config.tls.add_port(self.server, self.address)
-        if self.config.metrics_port >= 0:  # 0: a free port, -1: none
-            httpd, _ = prometheus_client.start_http_server(
-                self.config.metrics_port, addr=self.config.host
-            )
+        host, port = self.config.host, self.config.metrics_port
+        try:
+            self.config.tls.add_port(self.server, self.address)
+        except RuntimeError:  # grpc's "Failed to bind": a start-up error, not a crash
+            raise ValueError(
+                f"--port {self.config.port}: cannot listen on {self.address} (the port is "
+                "in use, or --host is not an address of this machine)"
+            ) from None
+        if port >= 0:  # 0: a free port, -1: none
+            try:
+                httpd, _ = prometheus_client.start_http_server(port, addr=host)
+            except OSError as e:
+                raise ValueError(
+                    f"--metrics-port {port}: cannot listen on {host}:{port}: {e.strerror or e}"
+                ) from None
             self.metrics_port = int(httpd.server_port)
-            log.info("metrics at http://%s:%d/metrics", self.config.host, self.metrics_port)
+            log.info("metrics at http://%s:%d/metrics", host, self.metrics_port)
         await self.server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

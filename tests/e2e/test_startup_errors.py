@@ -1,0 +1,42 @@
+"""A bad flag or an unusable model stops a plane's process at start-up with one line that
+names it and exit status 2: no traceback, nothing left running."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from hetero_infer.local import free_port
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "hetero_infer.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _refused(r: subprocess.CompletedProcess[str], message: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"hetero-infer: error: {message}" in r.stderr, r.stderr
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("plane", ["control-plane", "compute-plane"])
+def test_a_port_in_use_is_named(plane: str, taken_port: int) -> None:
+    # Both were a RuntimeError / OSError traceback, exit 1.
+    extra = ("--model", "/nonexistent") if plane == "compute-plane" else ()  # binds first
+    r = _run(plane, "--port", str(taken_port), "--metrics-port", "-1", *extra)
+    _refused(r, f"--port {taken_port}: cannot listen on 127.0.0.1:{taken_port}")
+    r = _run(plane, "--port", str(free_port()), "--metrics-port", str(taken_port), *extra)
+    _refused(r, f"--metrics-port {taken_port}: cannot listen on 127.0.0.1:{taken_port}")
