@@ -189,16 +189,18 @@ def load_tokenizer(path: Path) -> TokenizerWrapper:
 
 
 def _from_gguf(path: Path) -> TokenizerWrapper:
-    from hetero_common.gguf_reader import FastGGUFReader
+    from hetero_common.gguf_reader import open_gguf
 
-    reader = FastGGUFReader(path)
+    reader = open_gguf(path)
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
     kind = field("tokenizer.ggml.model")
-    tokens: list[str] = field("tokenizer.ggml.tokens")
+    tokens: list[str] | None = field("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise TokenizerError(f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.tokens)")
     types: list[int] = field("tokenizer.ggml.token_type", [1] * len(tokens))
     if kind == "llama" and not field("tokenizer.ggml.add_space_prefix", True):
         return _gemma_from_gguf(field, tokens, types)

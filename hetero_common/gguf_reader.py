@@ -4,6 +4,7 @@ tokenizer (both read the same tokenizer strings from the header)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -79,6 +80,8 @@ class FastGGUFReader(GGUFReader):
             values: list[Any] = []
             for _ in range(n):
                 length = int.from_bytes(buf[offs : offs + 8], order)
+                if offs + 8 + length > len(buf):  # else a truncated file reads b"" forever
+                    raise ValueError(f"a string array ends past the end of the file ({n} items)")
                 values.append(str(buf[offs + 8 : offs + 8 + length], encoding="utf-8"))
                 offs += 8 + length
             return itype, alen, sub, values, offs
@@ -87,3 +90,12 @@ class FastGGUFReader(GGUFReader):
             return None
         arr = self._get(offs, nptype, n)
         return itype, alen, sub, arr.tolist(), offs + int(arr.nbytes)
+
+
+def open_gguf(path: Path) -> FastGGUFReader:
+    """The file's reader; a ValueError naming the file for one that is not a GGUF file or
+    is truncated or corrupt (gguf-py raises ValueError, KeyError or IndexError)."""
+    try:
+        return FastGGUFReader(path)
+    except (ValueError, KeyError, IndexError, OSError) as e:
+        raise ValueError(f"{path}: not a readable GGUF file: {e}") from None

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from hetero_common.gguf_reader import FastGGUFReader
+from hetero_common.gguf_reader import FastGGUFReader, open_gguf
 
 V = gguf.GGUFValueType
 ARRAYS: dict[str, tuple[list[Any], V]] = {
@@ -89,3 +89,30 @@ def test_a_string_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
     path.write_bytes(bytes(raw))
     with pytest.raises(UnicodeDecodeError):
         FastGGUFReader(path)
+
+
+def test_a_truncated_file_is_a_value_error_naming_it(tmp_path: Path) -> None:
+    # Cut inside the header it was an IndexError (a traceback at start-up), and a string
+    # array whose count runs past the end read empty strings until memory ran out.
+    raw = _write(tmp_path / "t.gguf", gguf.GGUFEndian.LITTLE).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    for size in range(0, len(raw) - 1, 7):
+        cut.write_bytes(raw[:size])
+        with pytest.raises(ValueError, match=r"cut\.gguf: not a readable GGUF file"):
+            open_gguf(cut)
+
+
+def test_a_string_array_longer_than_the_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_key_value("tokenizer.ggml.tokens", ["a"], V.ARRAY, sub_type=V.STRING)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    raw = bytearray(path.read_bytes())
+    at = raw.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 8
+    assert int.from_bytes(raw[at : at + 8], "little") == 1  # the array's count
+    raw[at : at + 8] = (1 << 40).to_bytes(8, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="a string array ends past the end of the file"):
+        open_gguf(path)

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
 from compute_plane.quant import QuantWeight, from_gguf
-from hetero_common.gguf_reader import FastGGUFReader
+from hetero_common.gguf_reader import open_gguf
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _LAYER_NAMES = {
@@ -83,9 +83,9 @@ def load_gguf(
     """Metadata -> ModelConfig; every known tensor oriented as in torch: dequantised and
     cast, or with `quantized` a quantized matrix as a QuantWeight (compute_plane.quant)."""
     try:
-        reader = FastGGUFReader(path)
-    except (ValueError, KeyError) as e:
-        raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
+        reader = open_gguf(path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     config = read_config(path, reader)
     n_kv = config.num_kv_heads
     weights: dict[str, torch.Tensor | QuantWeight] = {}

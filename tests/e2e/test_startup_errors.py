@@ -7,7 +7,9 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import gguf
 import pytest
 
 from hetero_infer.local import free_port
@@ -40,3 +42,32 @@ def test_a_port_in_use_is_named(plane: str, taken_port: int) -> None:
     _refused(r, f"--port {taken_port}: cannot listen on 127.0.0.1:{taken_port}")
     r = _run(plane, "--port", str(free_port()), "--metrics-port", str(taken_port), *extra)
     _refused(r, f"--metrics-port {taken_port}: cannot listen on 127.0.0.1:{taken_port}")
+
+
+def _truncated(smollm2_path: Path, tmp_path: Path) -> Path:
+    """The bundled model cut inside its tokenizer's strings (a failed download)."""
+    path = tmp_path / "cut.gguf"
+    with smollm2_path.open("rb") as f:
+        path.write_bytes(f.read(1_000_000))
+    return path
+
+
+@pytest.mark.parametrize("plane", ["control-plane", "compute-plane"])
+def test_a_truncated_gguf_is_named(plane: str, smollm2_path: Path, tmp_path: Path) -> None:
+    # Was an IndexError traceback in both planes.
+    cut = _truncated(smollm2_path, tmp_path)
+    r = _run(plane, "--model", str(cut), "--port", str(free_port()), "--metrics-port", "-1")
+    _refused(r, f"{cut}: not a readable GGUF file")
+
+
+def test_a_gguf_without_a_tokenizer_is_named(tmp_path: Path) -> None:
+    # The control plane's tokenizer: was a TypeError traceback.
+    path = tmp_path / "bare.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    r = _run(
+        "control-plane", "--model", str(path), "--port", str(free_port()), "--metrics-port", "-1"
+    )
+    _refused(r, f"{path}: no tokenizer in the GGUF metadata")
