@@ -13,6 +13,7 @@ from typing import NoReturn
 from hetero_common.logs import LOG_FORMATS, setup_logging
 from hetero_common.tracing import setup_tracing
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
+from hetero_infer.local import PlaneExited
 
 
 def _compute_plane(args: argparse.Namespace) -> int:
@@ -91,6 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
     compute_args: list[str] = list(args.compute_arg or [])
     if args.chat_template:
         control_args += ["--chat-template", args.chat_template]
+    if not 0 < args.port < 65536:  # before the planes start, not once they have loaded
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
     method = args.speculative or ("draft" if args.draft_model else None)
     if method == "draft" and not args.draft_model:
         raise SystemExit("hetero-infer serve: --speculative draft needs --draft-model PATH")
@@ -242,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad configuration or a missing model: one clear line, no traceback.
         print(f"hetero-infer: error: {e}", file=sys.stderr)
         return 2
+    except (PlaneExited, TimeoutError) as e:  # serve / generate: a plane did not start
+        print(f"hetero-infer: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -9,8 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator
+from typing import IO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -18,6 +21,37 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hetero_common.cpus import usable_cpus
 
 START_TIMEOUT = 300.0  # seconds a plane may take to be serving, unless told otherwise
+PLANES = ("compute-plane", "control-plane", "gateway")
+
+
+class PlaneExited(RuntimeError):
+    """A plane's process ended before it was serving; the message names the plane, its
+    exit status and (for a quiet one, whose output is not shown) its last error line."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], when: str) -> None:
+        args = [str(a) for a in proc.args]  # type: ignore[union-attr]
+        name = next((a.replace("-", " ") for a in args if a in PLANES), " ".join(args))
+        why = _last_error(proc)
+        super().__init__(
+            f"the {name} exited with status {proc.returncode} {when}"
+            + (f": {why}" if why else " (its error is above)")
+        )
+
+
+# A quiet child's stderr goes to a file instead of nowhere: its last line says why it
+# failed to start.
+_stderr: weakref.WeakKeyDictionary[subprocess.Popen[bytes], IO[bytes]] = weakref.WeakKeyDictionary()
+
+
+def _last_error(proc: subprocess.Popen[bytes]) -> str:
+    log = _stderr.get(proc)
+    if log is None:
+        return ""
+    log.seek(0)
+    lines = [line.strip() for line in log.read().decode(errors="replace").splitlines()]
+    lines = [line for line in lines if line]
+    ours = [line for line in lines if line.startswith("hetero-infer")]
+    return (ours or lines or [""])[-1].removeprefix("hetero-infer: error: ")
 
 
 _EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
@@ -90,7 +124,7 @@ def wait_serving(
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before serving")
+                raise PlaneExited(proc, "before serving")
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
                 if listening or status == health_pb2.HealthCheckResponse.SERVING:
@@ -140,16 +174,20 @@ def gateway_process(
 def spawned(args: list[str], quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
     """`hetero-infer ARGS` as a child process, stopped (SIGTERM) at the end of the block."""
     out = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hetero_infer.cli", *args],
-        stdout=out,
-        stderr=out,
-        env=dict(os.environ),
-    )
-    try:
-        yield proc
-    finally:
-        stop_process(proc)
+    with contextlib.ExitStack() as files:
+        err = files.enter_context(tempfile.TemporaryFile()) if quiet else None
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hetero_infer.cli", *args],
+            stdout=out,
+            stderr=err,
+            env=dict(os.environ),
+        )
+        if err is not None:
+            _stderr[proc] = err
+        try:
+            yield proc
+        finally:
+            stop_process(proc)
 
 
 Front = Callable[[str], contextlib.AbstractContextManager[object]]
@@ -263,7 +301,7 @@ def wait_http_ready(
         if stopping():
             return False
         if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode} before it was ready")
+            raise PlaneExited(proc, "before it was ready")
         try:
             with urllib.request.urlopen(url, timeout=1.0) as r:
                 if r.status == 200:

@@ -71,3 +71,51 @@ def test_a_gguf_without_a_tokenizer_is_named(tmp_path: Path) -> None:
         "control-plane", "--model", str(path), "--port", str(free_port()), "--metrics-port", "-1"
     )
     _refused(r, f"{path}: no tokenizer in the GGUF metadata")
+
+
+def _running(marker: str) -> list[str]:
+    """Command lines of this machine's processes that hold `marker`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        line = " ".join(a.decode(errors="replace") for a in args)
+        if marker in line and "hetero_infer.cli" in line:
+            found.append(line)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("flag", "plane", "error"),
+    [
+        ("--compute-arg=--block-size=0", "compute plane", "block_size must be in 1..256"),
+        ("--control-arg=--max-num-seqs=0", "control plane", "max_num_seqs must be >= 1"),
+    ],
+)
+def test_serve_stops_when_a_plane_fails_to_start(flag: str, plane: str, error: str) -> None:
+    # Was a RuntimeError traceback quoting the plane's whole command line.
+    port = free_port()
+    r = _run("serve", "--port", str(port), flag)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert f"hetero-infer: error: {error}" in r.stderr  # the plane's own line
+    assert f"hetero-infer: error: the {plane} exited with status 2 before serving" in r.stderr
+    assert not _running(f"--port {port}")  # the gateway, stopped with the others
+
+
+def test_serve_refuses_a_bad_port_before_starting_anything() -> None:
+    r = _run("serve", "--port", "70000", timeout=30)
+    _refused(r, "--port must be in 1..65535, got 70000")
+    assert "compute_plane" not in r.stderr  # no plane logged a line
+
+
+def test_generate_names_why_its_quiet_plane_failed(tmp_path: Path) -> None:
+    # generate hides the planes' output: all it said was the command line and status 2.
+    r = _run("generate", "hi", "--model", str(tmp_path / "missing"))
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().endswith(
+        f"exited with status 2 before serving: model path does not exist: {tmp_path}/missing"
+    )
