@@ -59,4 +59,11 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:  # mmap refuses an empty mapping
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    try:
+        pool = mmap.mmap(-1, nbytes)
+    except OSError as e:  # ENOMEM: more than the kernel will promise (overcommit)
+        raise ValueError(
+            f"kv_cache_bytes: cannot map {nbytes} bytes for a KV cache tensor ({e.strerror}); "
+            "lower --kv-cache-bytes"
+        ) from None
+    return torch.frombuffer(pool, dtype=dtype).view(shape)

@@ -119,3 +119,17 @@ def test_generate_names_why_its_quiet_plane_failed(tmp_path: Path) -> None:
     assert r.stderr.strip().endswith(
         f"exited with status 2 before serving: model path does not exist: {tmp_path}/missing"
     )
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        # libgomp's complaint and a RuntimeError traceback from torch.set_num_threads.
+        ("--num-threads=-3", "num_threads must be >= 1, got -3"),
+        # mmap's OSError (ENOMEM) traceback: more than the kernel will map.
+        ("--kv-cache-bytes=100000000000000000", "kv_cache_bytes: cannot map"),
+    ],
+)
+def test_compute_plane_sizes_it_cannot_have_are_named(flag: str, message: str) -> None:
+    r = _run("compute-plane", "--port", str(free_port()), "--metrics-port", "-1", flag)
+    _refused(r, message)
