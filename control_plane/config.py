@@ -178,6 +178,14 @@ class ControlConfig(GrpcServerConfig):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # 0 or less re-read --compute in a busy loop; a negative cap drove no compute plane.
+        if not self.compute_resolve_interval > 0:  # NaN too
+            raise ValueError(
+                f"compute_resolve_interval must be > 0, got {self.compute_resolve_interval}"
+            )
+        for name in ("compute_timeout", "max_compute_planes", "route_load_slack"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.steps_ahead is not None and not 1 <= self.steps_ahead <= MAX_STEPS_AHEAD:
             raise ValueError(
                 f"steps_ahead must be 1 to {MAX_STEPS_AHEAD}, got {self.steps_ahead} "

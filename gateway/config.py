@@ -99,7 +99,7 @@ class GatewayConfig(ServerConfig):
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.control_retry_timeout < 0:
+        if not self.control_retry_timeout >= 0:  # NaN too
             raise ValueError(
                 f"control_retry_timeout must be >= 0, got {self.control_retry_timeout}"
             )

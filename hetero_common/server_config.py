@@ -21,7 +21,7 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.drain_timeout < 0:
+        if not self.drain_timeout >= 0:  # NaN too (it drained nothing)
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")

@@ -10,6 +10,7 @@ import pytest
 
 from compute_plane.config import ComputeConfig
 from control_plane.config import ControlConfig
+from gateway.config import GatewayConfig
 from hetero_infer.cli import build_parser
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
 
@@ -79,6 +80,27 @@ def test_unreadable_config_file_is_named(tmp_path: Path) -> None:
     for path in (tmp_path / "c.json", tmp_path, tmp_path / "missing.json"):
         with pytest.raises(ValueError, match=rf"--config {path}"):
             _parse(ComputeConfig, ["--config", str(path)])
+
+
+@pytest.mark.parametrize(
+    ("cls", "field", "value"),
+    [
+        # 0 re-read a file or DNS name of compute planes in a busy loop (a core at 92 %).
+        (ControlConfig, "compute_resolve_interval", 0.0),
+        (ControlConfig, "compute_resolve_interval", float("nan")),
+        (ControlConfig, "max_compute_planes", -1),  # attached no compute plane at all
+        (ControlConfig, "compute_timeout", -5.0),
+        (ControlConfig, "route_load_slack", -1),
+        (ControlConfig, "drain_timeout", float("nan")),  # NaN passed "< 0" checks
+        (GatewayConfig, "control_retry_timeout", float("nan")),
+        (GatewayConfig, "drain_timeout", float("nan")),
+    ],
+)
+def test_values_that_were_taken_and_misbehaved_are_refused(
+    cls: type, field: str, value: float
+) -> None:
+    with pytest.raises(ValueError, match=rf"{field} must be >"):
+        cls(**{field: value})
 
 
 def test_invalid_values_are_refused() -> None:
