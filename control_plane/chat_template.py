@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -44,6 +45,21 @@ def _compile(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+
+
+def read_chat_template(path: str) -> str:
+    """The file --chat-template names, checked to compile at start-up: a ValueError naming
+    the flag for a file that cannot be read or is not a jinja2 template (else every chat
+    request would fail with a 400 that blames the client for the operator's file)."""
+    try:
+        source = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it: {e}") from None
+    try:
+        _compile(source)
+    except ChatTemplateError as e:
+        raise ValueError(f"--chat-template {path}: {e}") from None
+    return source
 
 
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

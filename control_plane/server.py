@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from control_plane.block_pool import IntegrityError
-from control_plane.chat_template import ChatTemplateError
+from control_plane.chat_template import ChatTemplateError, read_chat_template
 from control_plane.config import ControlConfig
 from control_plane.engine import ComputeUnavailable, ControlEngine, RequestFailed
 from control_plane.outputs import GenerateStream
@@ -480,7 +480,7 @@ async def serve(config: ControlConfig) -> None:
     path: Path = resolve_model_path(config.model)
     tokenizer = load_tokenizer(path)
     if config.chat_template:
-        tokenizer.chat_template = Path(config.chat_template).read_text()
+        tokenizer.chat_template = read_chat_template(config.chat_template)
         log.info("chat template from %s", config.chat_template)
     engine = ControlEngine(config, tokenizer, model_name=model_display_name(path))
     plane = GrpcPlane(config, SERVICE_NAME)

@@ -133,3 +133,29 @@ def test_generate_names_why_its_quiet_plane_failed(tmp_path: Path) -> None:
 def test_compute_plane_sizes_it_cannot_have_are_named(flag: str, message: str) -> None:
     r = _run("compute-plane", "--port", str(free_port()), "--metrics-port", "-1", flag)
     _refused(r, message)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        # Was accepted: every chat request then failed with a 400 blaming the client.
+        ("{% if %}", "the chat template does not compile"),
+        (None, "cannot read it: [Errno 21] Is a directory"),  # was an IsADirectoryError traceback
+        (b"\xff\xfe", "cannot read it: 'utf-8' codec can't decode"),
+    ],
+)
+def test_a_chat_template_that_cannot_serve_stops_the_control_plane(
+    template: str | bytes | None, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "t.jinja"
+    if template is None:
+        path.mkdir()
+    elif isinstance(template, bytes):
+        path.write_bytes(template)
+    else:
+        path.write_text(template)
+    r = _run(
+        "control-plane", "--port", str(free_port()), "--metrics-port", "-1",
+        "--chat-template", str(path),
+    )  # fmt: skip
+    _refused(r, f"--chat-template {path}: {message}")
