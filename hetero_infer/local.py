@@ -32,10 +32,18 @@ class PlaneExited(RuntimeError):
         args = [str(a) for a in proc.args]  # type: ignore[union-attr]
         name = next((a.replace("-", " ") for a in args if a in PLANES), " ".join(args))
         why = _last_error(proc)
-        super().__init__(
-            f"the {name} exited with status {proc.returncode} {when}"
-            + (f": {why}" if why else " (its error is above)")
-        )
+        code = proc.returncode
+        ended = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        if not why and code > 0:
+            why = "its error is above"
+        super().__init__(f"the {name} {ended} {when}" + (f": {why}" if why else ""))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 # A quiet child's stderr goes to a file instead of nowhere: its last line says why it
@@ -204,6 +212,7 @@ def local_planes(
     num_compute: int = 1,
     start_timeout: float | None = None,
     front: Front | None = None,
+    children: list[subprocess.Popen[bytes]] | None = None,
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports (`start_planes`); yields the
     control plane address once it is serving.
@@ -236,7 +245,9 @@ def local_planes(
         compute_planes.append(
             ([*args, "--metrics-port", str(port), *threads, *extra_compute], compute)
         )
-    with start_planes(compute_planes, (control_args, control), quiet, start_timeout, front):
+    with start_planes(
+        compute_planes, (control_args, control), quiet, start_timeout, front, children
+    ):
         yield control
 
 
@@ -247,6 +258,7 @@ def start_planes(
     quiet: bool = False,
     start_timeout: float | None = None,
     front: Front | None = None,
+    children: list[subprocess.Popen[bytes]] | None = None,
 ) -> Iterator[object]:
     """Compute planes and a control plane driving them (`hetero-infer ARGS` and the
     address each serves on); yields once the control plane is serving (a compute plane
@@ -268,11 +280,17 @@ def start_planes(
 
     control_args, address = control
     with contextlib.ExitStack() as stack:
-        procs = [stack.enter_context(spawned(args, quiet)) for args, _ in computes]
+        started = [] if children is None else children
+
+        def spawn(args: list[str]) -> subprocess.Popen[bytes]:
+            started.append(stack.enter_context(spawned(args, quiet)))
+            return started[-1]
+
+        procs = [spawn(args) for args, _ in computes]
         out: list[object] = [None]
 
         def control_up() -> subprocess.Popen[bytes]:
-            proc = stack.enter_context(spawned(control_args, quiet))
+            proc = spawn(control_args)
             if front is not None:
                 wait_serving(address, proc, timeout=left(), listening=True)
                 out[0] = stack.enter_context(front(address))
@@ -341,6 +359,7 @@ def serve_stack(
             gateways.append(gw)
             yield
 
+    planes: list[subprocess.Popen[bytes]] = []
     with local_planes(
         model,
         quiet=False,
@@ -350,12 +369,20 @@ def serve_stack(
         extra_control=control_args,
         num_compute=num_compute,
         front=gateway,
+        children=planes,
     ):
         gw = gateways[0]
         # A SIGTERM while the gateway starts is a clean stop too (its process group may
         # have had it as well, so the gateway may have exited 0 already).
         if wait_http_ready(f"http://{host}:{port}/ready", gw, stopping=lambda: stop):
             print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
-        while not stop and gw.poll() is None:
+        # Nothing restarts a plane here: one that ends ends the stack (a dead compute
+        # plane left a gateway answering 503 for ever), with an error unless it drained.
+        while not stop:
+            ended = [p for p in (*planes, gw) if p.poll() is not None]
+            if failed := [p for p in ended if p.returncode != 0]:
+                raise PlaneExited(failed[0], "while serving; the others are stopped")
+            if ended:
+                break
             time.sleep(0.2)
     return 0

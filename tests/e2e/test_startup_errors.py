@@ -3,6 +3,8 @@ names it and exit status 2: no traceback, nothing left running."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +14,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from hetero_infer.local import free_port
+from hetero_infer.local import free_port, stop_process
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -159,3 +161,41 @@ def test_a_chat_template_that_cannot_serve_stops_the_control_plane(
         "--chat-template", str(path),
     )  # fmt: skip
     _refused(r, f"--chat-template {path}: {message}")
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid -> command line of `pid`'s child processes."""
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+                out[int(stat.parent.name)] = cmd.decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_serve_stops_when_a_plane_dies_while_serving() -> None:
+    # serve watched only the gateway: with its compute plane gone it kept running, /ready
+    # 503 for ever (nothing restarts a plane under serve), and exited 0 when stopped.
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--port", str(free_port())]
+    serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout is not None
+        assert "serving the OpenAI API" in serve.stdout.readline()
+        children = _children(serve.pid)
+        assert len(children) == 3, children
+        (compute,) = [pid for pid, cmd in children.items() if "compute-plane" in cmd]
+        os.kill(compute, signal.SIGKILL)
+        _, err = serve.communicate(timeout=60)
+    finally:
+        stop_process(serve)  # type: ignore[arg-type]
+    assert serve.returncode == 1, err
+    assert "Traceback" not in err, err
+    assert (
+        "hetero-infer: error: the compute plane was killed by SIGKILL while serving; "
+        "the others are stopped"
+    ) in err
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # all reaped
