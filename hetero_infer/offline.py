@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
@@ -69,8 +70,11 @@ class OfflineLLM:
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
     ) -> list[Completion]:
         """Run every prompt to the end, all admitted at once (the waiting queue is made to
-        hold them, as vLLM's LLM.generate takes any number); results in prompt order."""
-        assert len(prompts) == len(params), "one GenerationParams per prompt"
+        hold them, as vLLM's LLM.generate takes any number); results in prompt order.
+        Each prompt is a string or a list of token ids; TypeError / ValueError name the
+        one that is not, or a count of params that does not match (AdmissionError for a
+        prompt or params the engine refuses)."""
+        _check(prompts, params)
         return asyncio.run(self._generate(prompts, params))
 
     async def _generate(
@@ -89,11 +93,37 @@ class OfflineLLM:
             await control.attached.wait()
             streams = []
             for prompt, p in zip(prompts, params, strict=True):
-                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids = (
+                    self.tokenizer.encode(prompt)
+                    if isinstance(prompt, str)
+                    else list(map(int, prompt))
+                )
                 streams.append(control.submit(ids, p))
             return [await _collect(s) for s in streams]
         finally:
             await control.stop()
+
+
+def _check(prompts: object, params: object) -> None:
+    """Refuse what would otherwise be read wrongly: a string for the list (one prompt per
+    character), bytes (their values as token ids), ids that are not ints."""
+    if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    if not isinstance(params, Sequence) or len(params) != len(prompts):
+        n = len(params) if isinstance(params, Sequence) else type(params).__name__
+        raise ValueError(f"one GenerationParams per prompt: {len(prompts)} prompts, params {n}")
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            continue
+        if isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Sequence):
+            raise TypeError(
+                f"prompts[{i}] must be a str or a list of token ids, got {type(prompt).__name__}"
+            )
+        if bad := [t for t in prompt if isinstance(t, bool) or not isinstance(t, Integral)]:
+            raise TypeError(f"prompts[{i}]: token ids must be ints, got {bad[0]!r}")
+    for i, p in enumerate(params):
+        if not isinstance(p, pb.GenerationParams):
+            raise TypeError(f"params[{i}] must be a GenerationParams, got {type(p).__name__}")
 
 
 async def _collect(stream: GenerateStream) -> Completion:

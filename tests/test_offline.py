@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from compute_plane.config import ComputeConfig
 from control_plane.config import ControlConfig
 from hetero_infer.offline import OfflineLLM
@@ -29,3 +31,24 @@ def test_more_prompts_than_the_waiting_queue_all_run_as_each_runs_alone(
     assert [c.token_ids for c in batch] == [c.token_ids for c in alone]
     assert all(len(c.token_ids[0]) == 6 for c in batch)
     assert llm.control_config.max_waiting == 2  # the caller's config is left as it was
+
+
+def test_prompts_and_params_that_would_be_misread_are_refused(smollm2_path: Path) -> None:
+    """A str for the list ran each character as a prompt, bytes ran their values as token
+    ids, a count mismatch was an assert (gone under python -O), and other types failed
+    deep inside with TypeErrors that named nothing; the engine serves on afterwards."""
+    llm = OfflineLLM(str(smollm2_path))
+    p = pb.GenerationParams(max_tokens=2, temperature=0.0)
+    for prompts, params, error, message in [
+        ("hi", [p, p], TypeError, "prompts must be a list of prompts, got str"),
+        ([b"hi"], [p], TypeError, r"prompts\[0\] must be a str or a list of token ids, got bytes"),
+        (["a", 5], [p, p], TypeError, r"prompts\[1\] must be a str or a list of token ids"),
+        ([[1, "a"]], [p], TypeError, r"prompts\[0\]: token ids must be ints, got 'a'"),
+        ([[1, 2.0]], [p], TypeError, r"prompts\[0\]: token ids must be ints, got 2.0"),
+        (["a"], [], ValueError, "one GenerationParams per prompt: 1 prompts, params 0"),
+        (["a"], [{"max_tokens": 2}], TypeError, r"params\[0\] must be a GenerationParams"),
+    ]:
+        with pytest.raises(error, match=message):
+            llm.generate(prompts, params)  # type: ignore[arg-type]
+    (done,) = llm.generate([[1, 2, 3]], [p])
+    assert len(done.token_ids[0]) == 2
