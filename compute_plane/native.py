@@ -65,7 +65,12 @@ def load_library(name: str) -> ctypes.CDLL:
     key = hashlib.sha256(source + flags + cc.encode() + _cpu_signature())
     lib_path = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # as a missing compiler: the callers fall back or name it
+            raise KernelUnavailable(
+                f"cannot make the kernel cache {lib_path.parent} ($HETERO_INFER_CACHE_DIR): {e}"
+            ) from e
         tmp = lib_path.with_suffix(f".{os.getpid()}.tmp")
         obj = lib_path.with_suffix(f".{os.getpid()}.o")
         try:

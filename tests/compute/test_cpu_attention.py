@@ -112,6 +112,25 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, tmp_path, caplog) -> None:
         _clear()
 
 
+def test_an_unusable_cache_dir_falls_back_as_no_compiler_does(
+    monkeypatch, tmp_path, caplog
+) -> None:  # type: ignore[no-untyped-def]
+    """A HETERO_INFER_CACHE_DIR that cannot be made (under a file) was a NotADirectoryError
+    traceback at compute plane start-up; now auto warns and takes torch, `cpu` names it."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("HETERO_INFER_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    _clear()
+    try:
+        with pytest.raises(KernelUnavailable, match=r"HETERO_INFER_CACHE_DIR.*Not a directory"):
+            load_kernel()
+        with caplog.at_level(logging.WARNING):
+            assert resolve_attention_backend("auto", CPU, torch.float32) == "torch"
+        with pytest.raises(ValueError, match=r"attention backend .cpu.*HETERO_INFER_CACHE_DIR"):
+            resolve_attention_backend("cpu", CPU, torch.float32)
+    finally:
+        _clear()
+
+
 def _clear() -> None:
     load_kernel.cache_clear()
     native.load_library.cache_clear()
