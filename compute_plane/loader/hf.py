@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from tqdm import tqdm
 from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
 from compute_plane.scaled import FP8, ScaledWeight, from_fp8
+from hetero_common.model_path import ModelFileError, read_json_object
 
 # HF `architectures` entry -> (our architecture, q/k/v bias unless config says, per-head q/k norm)
 _ARCHITECTURES = {
@@ -65,7 +65,7 @@ def load_hf(
 def _fp8_config(folder: Path) -> dict[str, Any] | None:
     """config.json's quantization_config when it is vLLM's "fp8" format, else None;
     another quantization method is refused by name."""
-    qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    qc = read_json_object(folder / "config.json").get("quantization_config")
     if not qc:
         return None
     method = qc.get("quant_method")
@@ -123,7 +123,18 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(
             f"{folder}: missing config.json (expected a Hugging Face model folder)"
         )
-    cfg = json.loads(path.read_text())
+    cfg = read_json_object(path)
+    try:
+        return _model_config(folder, cfg)
+    except (ModelLoadError, UnsupportedModelError, ModelFileError):
+        raise
+    except KeyError as e:  # a field every model has
+        raise ModelLoadError(f"{path}: missing {e.args[0]}") from None
+    except (TypeError, ValueError, AttributeError) as e:  # int("x"), None.get, ...
+        raise ModelLoadError(f"{path}: a field of the wrong type: {e}") from None
+
+
+def _model_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
     names = cfg.get("architectures") or [cfg.get("model_type")]
     known = [n for n in names if n in _ARCHITECTURES]
     if not known:
@@ -237,7 +248,7 @@ def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     sources = [cfg]
     gen = folder / "generation_config.json"
     if gen.is_file():
-        sources.append(json.loads(gen.read_text()))
+        sources.append(read_json_object(gen))
     ids: dict[int, None] = {}  # ordered set
     for src in sources:
         eos = src.get("eos_token_id")
@@ -249,7 +260,10 @@ def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / _INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no weight_map object")
+        shards = sorted(set(map(str, weight_map.values())))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise ModelLoadError(

@@ -222,6 +222,31 @@ def test_corrupt_files(tmp_path: Path) -> None:
         load_model(bad, progress=False)
 
 
+def test_a_config_json_that_cannot_be_read_names_the_file_and_field(tmp_path: Path) -> None:
+    # Each was a JSONDecodeError without the file's name, or a KeyError / AttributeError /
+    # ValueError traceback at compute plane start-up.
+    config = tmp_path / "config.json"
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{config}: not readable as JSON"):
+        load_model(tmp_path, progress=False)
+    config.write_text("[]")
+    with pytest.raises(ValueError, match=rf"{config}: expected a JSON object, got list"):
+        load_model(tmp_path, progress=False)
+    _write_config(tmp_path)
+    cfg = json.loads(config.read_text())
+    del cfg["num_attention_heads"]
+    config.write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=rf"{config}: missing num_attention_heads"):
+        load_model(tmp_path, progress=False)
+    _write_config(tmp_path, hidden_size="wide")
+    with pytest.raises(ModelLoadError, match=rf"{config}: a field of the wrong type"):
+        load_model(tmp_path, progress=False)
+    _write_config(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": 5}')
+    with pytest.raises(ModelLoadError, match=r"index\.json: no weight_map object"):
+        load_model(tmp_path, progress=False)
+
+
 def test_neither_folder_nor_gguf(tmp_path: Path) -> None:
     f = tmp_path / "weights.bin"
     f.write_bytes(b"x")

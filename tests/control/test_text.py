@@ -120,6 +120,20 @@ def test_hf_folder_tokenizer(tmp_path: Path) -> None:
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[user]x</s>"
 
 
+def test_a_hf_folder_whose_tokenizer_files_cannot_be_read_is_named(tmp_path: Path) -> None:
+    # Each was a traceback at control plane start-up (tokenizers' bare Exception, a
+    # JSONDecodeError without the file's name).
+    tj = tmp_path / "tokenizer.json"
+    for text, message in [
+        ("garbage", "not readable as JSON"),
+        ("{}", "not a tokenizer the tokenizers library reads"),
+        ("[]", "expected a JSON object"),
+    ]:
+        tj.write_text(text)
+        with pytest.raises(ValueError, match=rf"{tj}: {message}"):
+            load_tokenizer(tmp_path)
+
+
 def _stream(tok: TokenizerWrapper, ids: list[int], skip: bool = True) -> list[str]:
     d = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     return [*[d.push(i) for i in ids], d.flush()]
