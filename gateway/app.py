@@ -303,11 +303,14 @@ async def serve(config: GatewayConfig) -> None:
         def capture_signals(self) -> Iterator[None]:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, self._on_signal)
+                loop.add_signal_handler(sig, self._on_signal, sig)
             yield
 
-        def _on_signal(self) -> None:
-            self.force_exit = self.should_exit  # a second signal stops at once
+        def _on_signal(self, sig: signal.Signals) -> None:
+            # A second Ctrl-C stops at once (as uvicorn's own handler); a SIGTERM after
+            # a signal does not: under `serve` a Ctrl-C reaches the whole process group
+            # and serve then sends its own SIGTERM, which cut every stream off mid-answer.
+            self.force_exit = self.force_exit or (self.should_exit and sig == signal.SIGINT)
             self.should_exit = True
 
     server = Server(

@@ -143,7 +143,17 @@ def test_compute_plane_forgets_a_killed_control_planes_requests() -> None:
         assert time.monotonic() - sent < 5
 
 
-def test_gateway_finishes_stream_then_exits() -> None:
+@pytest.mark.parametrize(
+    "signals",
+    [
+        (signal.SIGTERM,),
+        # Ctrl-C on `serve`: the terminal's SIGINT to the process group, then serve's
+        # SIGTERM to each plane (a second signal of any kind forced an exit: the stream
+        # was cut after a token and uvicorn logged CancelledError tracebacks).
+        (signal.SIGINT, signal.SIGTERM),
+    ],
+)
+def test_gateway_finishes_stream_then_exits(signals: tuple[signal.Signals, ...]) -> None:
     k, c, compute, control = planes()
     with child(k, compute), child(c, control):
         port = free_port()
@@ -159,7 +169,9 @@ def test_gateway_finishes_stream_then_exits() -> None:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
                 sent = time.monotonic()
-                gw.send_signal(signal.SIGTERM)
+                for sig in signals:
+                    gw.send_signal(sig)
+                    time.sleep(0.1)
                 time.sleep(0.5)
                 with pytest.raises(httpx.ConnectError):
                     httpx.get(url + "/health", timeout=5)
