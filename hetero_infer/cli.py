@@ -65,10 +65,14 @@ def _generate(args: argparse.Namespace) -> int:
         local_planes(args.model, quiet=not args.verbose) as control,
         grpc.insecure_channel(control) as ch,
     ):
-        for resp in pb_grpc.ControlPlaneStub(ch).Generate(request):
-            for choice in resp.choices:
-                sys.stdout.write(choice.text)
-                sys.stdout.flush()
+        try:
+            for resp in pb_grpc.ControlPlaneStub(ch).Generate(request):
+                for choice in resp.choices:
+                    sys.stdout.write(choice.text)
+                    sys.stdout.flush()
+        except grpc.RpcError as e:  # the control plane's own message, not a traceback
+            print(f"hetero-infer: error: {e.details()}", file=sys.stderr)
+            return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     sys.stdout.write("\n")
     return 0
 

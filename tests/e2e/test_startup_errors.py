@@ -199,3 +199,9 @@ def test_serve_stops_when_a_plane_dies_while_serving() -> None:
         "the others are stopped"
     ) in err
     assert not [pid for pid in children if Path(f"/proc/{pid}").exists()]  # all reaped
+
+
+def test_generate_names_a_refused_request() -> None:
+    # The control plane's INVALID_ARGUMENT was a grpc traceback.
+    r = _run("generate", "hi", "--max-tokens", "100000000")
+    _refused(r, "prompt (1 tokens) + max_tokens (100000000) = 100000001 exceeds")
