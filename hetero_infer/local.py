@@ -143,7 +143,12 @@ def wait_serving(
     raise TimeoutError(f"{address} not serving after {timeout:.0f} s")
 
 
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
+# A plane stopped with SIGTERM drains for up to its --drain-timeout (30 s unless set):
+# it is killed only after that and a little more, not in the middle of its drain.
+STOP_TIMEOUT = 35.0
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
