@@ -41,7 +41,14 @@ class BodyLimit:
                 await error.response()(scope, receive, send)
                 return
             if message["type"] == "http.disconnect":
-                return  # the client left before sending its body
+                # The client left before sending its body: nobody reads a response, but
+                # one must be sent, or the metrics middleware counts a 500 and logs "No
+                # response returned"; 499 as for a client gone before its response.
+                error = APIError(
+                    499, "the client closed the connection", type="client_closed_request"
+                )
+                await error.response()(scope, receive, send)
+                return
             body += message.get("body", b"")
             if len(body) > self.max_bytes:
                 await self._too_large(scope, receive, send)

@@ -586,3 +586,38 @@ def test_a_client_leaving_before_its_response_is_a_499_not_an_error(
         assert asyncio.run(run()) == ["r0"]
     assert counted("499") == before["499"] + 1 and counted("500") == before["500"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_client_leaving_before_its_body_is_sent_is_a_499_not_an_error(
+    link: FakeLink, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client leaves after part of its body: nothing is generated, and the request is
+    counted under 499. The body limit returned no response, so the metrics middleware
+    raised "No response returned" (logged as an ASGI exception, counted 500)."""
+    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
+    body = json.dumps({"model": MODEL, "prompt": "Hi"}).encode()
+    messages = [
+        {"type": "http.request", "body": body[:5], "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+
+    def counted(status: str) -> float:
+        labels = {"route": "other", "status": status}
+        return REGISTRY.get_sample_value("hetero_http_requests_total", labels) or 0.0
+
+    before = {status: counted(status) for status in ("499", "500")}
+
+    async def run() -> None:
+        async def receive() -> dict[str, Any]:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            return None  # nobody is there to read it
+
+        await app(_post_scope("/v1/completions", body), receive, send)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(run())
+    assert link.mux.calls == []
+    assert counted("499") == before["499"] + 1 and counted("500") == before["500"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
