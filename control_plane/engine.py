@@ -251,10 +251,14 @@ class ControlEngine:
                 raise AdmissionError(str(e)) from None
 
     # ------------------------------------------------------------ placement
-    def _place(self, token_ids: list[int], exclude: ComputePlane | None = None) -> ComputePlane:
-        """The compute plane for a new request: the longest prefix-cache hit (blocks cached
-        there or held by requests placed there), ties to the least loaded; the least
-        loaded instead when the hit's plane has `route_load_slack` more requests."""
+    def _place(
+        self, token_ids: list[int], exclude: ComputePlane | None = None
+    ) -> tuple[ComputePlane, str]:
+        """The compute plane for a new request and why (`hetero_routed_requests_total`'s
+        reason, counted by the caller once the request is placed there): the longest
+        prefix-cache hit (blocks cached there or held by requests placed there), ties to
+        the least loaded; the least loaded instead when the hit's plane has
+        `route_load_slack` more requests."""
         planes = [p for p in self.planes.values() if p.accepting and p is not exclude]
         if not planes:
             raise ComputeUnavailable("no compute plane is attached")
@@ -279,10 +283,10 @@ class ControlEngine:
                 plane, reason = least[3], "load"
             else:
                 plane, reason = best[3], "prefix"
-        if exclude is not None:
-            reason = "moved"
+        return plane, "moved" if exclude is not None else reason
+
+    def _count_routed(self, plane: ComputePlane, reason: str) -> None:
         metrics.routed.labels(compute=plane.address, reason=reason, **self.labels).inc()
-        return plane
 
     def _settle(self, stream: GenerateStream, plane: ComputePlane) -> None:
         """Record that `stream` lives on `plane` (its prompt blocks count there for the
@@ -327,7 +331,8 @@ class ControlEngine:
         for sid, group in groups.items():
             stream = streams[sid]
             first = group[0][0]
-            target = self._place(first.token_ids, exclude=src)
+            target, reason = self._place(first.token_ids, exclude=src)
+            self._count_routed(target, reason)
             self._settle(stream, target)
             for req, _ in group:
                 if (count := src._suspects.pop(req.request_id, None)) is not None:
@@ -384,7 +389,7 @@ class ControlEngine:
             )
         resumed = prompt_ids[len(prompt_ids) - num_resumed :] if num_resumed else []
         prompt_ids = prompt_ids[: len(prompt_ids) - num_resumed]
-        plane = self._place(prompt_ids + resumed)
+        plane, reason = self._place(prompt_ids + resumed)
         sched = plane.scheduler
         assert sched is not None
         bounds = plane.bounds()
@@ -406,6 +411,7 @@ class ControlEngine:
         )
         self._trace(stream, traceparent, max_tokens)
         _queue(sched, stream)
+        self._count_routed(plane, reason)  # (a request refused above was placed nowhere)
         self._settle(stream, plane)
         plain = len(stream.choices) == 1 and not (
             params.logprobs or params.top_logprobs or params.HasField("prompt_logprobs")
