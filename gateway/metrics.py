@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 requests_total = Counter(
     "hetero_http_requests", "HTTP requests by route and status", ("route", "status")
@@ -31,6 +32,24 @@ control_in_flight = Gauge(
 )
 
 
+class _InFlight:
+    """Pure ASGI middleware: a request is in flight until its response's last byte, a
+    stream's included (the app returns when the body ends or the client leaves)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].startswith("/metrics"):
+            await self.app(scope, receive, send)
+            return
+        in_flight.inc()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            in_flight.dec()
+
+
 def instrument(app: FastAPI) -> None:
     @app.get("/metrics", include_in_schema=False)
     async def _metrics() -> Response:
@@ -42,7 +61,6 @@ def instrument(app: FastAPI) -> None:
     ) -> Response:
         if request.url.path.startswith("/metrics"):
             return await call_next(request)
-        in_flight.inc()
         start = time.perf_counter()
         status = 500
         try:
@@ -50,8 +68,10 @@ def instrument(app: FastAPI) -> None:
             status = response.status_code
             return response
         finally:
-            in_flight.dec()
             route = request.scope.get("route")
             path = getattr(route, "path", "other")
             duration.labels(route=path).observe(time.perf_counter() - start)
             requests_total.labels(route=path, status=str(status)).inc()
+
+    # (call_next returns at the response head: a stream would leave the count there)
+    app.add_middleware(_InFlight)

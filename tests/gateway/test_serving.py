@@ -621,3 +621,36 @@ def test_a_client_leaving_before_its_body_is_sent_is_a_499_not_an_error(
     assert link.mux.calls == []
     assert counted("499") == before["499"] + 1 and counted("500") == before["500"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_stream_is_in_flight_until_its_last_byte(link: FakeLink) -> None:
+    """hetero_http_requests_in_flight counts a streamed response until it ends, not only
+    to its head (the metrics middleware's call_next returns there: streams were never
+    counted while they ran)."""
+    link.mux.hold = True  # the generation goes on until the client leaves
+    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "stream": True}).encode()
+
+    def in_flight() -> float:
+        return REGISTRY.get_sample_value("hetero_http_requests_in_flight") or 0.0
+
+    before = in_flight()
+    seen: list[float] = []
+
+    async def run() -> None:
+        started = asyncio.Event()
+
+        async def leave() -> None:
+            await started.wait()
+            await asyncio.sleep(0.05)  # the stream is under way
+            seen.append(in_flight())
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                started.set()
+
+        await app(_post_scope("/v1/completions", body), _receive(body, leave), send)
+
+    asyncio.run(run())
+    assert seen == [before + 1]
+    assert in_flight() == before
