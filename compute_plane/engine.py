@@ -659,7 +659,8 @@ class Engine:
                 r.state.num_computed_tokens += r.count
             else:  # the last known token and the accepted drafts; the new one is not
                 r.state.num_computed_tokens = len(r.state.token_ids) - 1
-        decodes = sum(1 for r in rows if r.count == 1)
+        # A decode computes its last token, and with a proposal the drafts after it.
+        decodes = sum(1 for r in rows if r.count == 1 + len(r.draft or ()))
         kind = "decode" if decodes == len(rows) else "prefill" if decodes == 0 else "mixed"
         m = self.metric_labels
         if out.device_times is not None:  # timed on the device: known once it finished

@@ -294,3 +294,25 @@ def test_sampled_output_distribution_with_proposals_matches_the_model(
     assert fit(plain, p) > 1e-3
     assert fit(spec, p) > 1e-3
     assert fit(spec, exact(0.9)) < 1e-6
+
+
+def test_a_step_verifying_proposals_is_timed_as_a_decode(engine: Engine) -> None:
+    """hetero_compute_step_duration_seconds{kind}: decodes with proposals are decodes (the
+    rows compute k + 1 tokens each; they were timed as prefill steps)."""
+    from prometheus_client import REGISTRY
+
+    def steps(kind: str) -> float:
+        labels = {"kind": kind, **engine.metric_labels}
+        return REGISTRY.get_sample_value("hetero_compute_step_duration_seconds_count", labels) or 0
+
+    plain, _, _ = _generate(engine, GREEDY)
+    before = {kind: steps(kind) for kind in ("prefill", "decode", "mixed")}
+
+    def exact(rid: str, tokens: list[int]) -> dict[str, list[int]]:
+        n = len(tokens) - len(PROMPTS[int(rid[1:])])
+        return {"token_ids": plain[rid][n : n + 3] or [0]}
+
+    _generate(engine, GREEDY, exact)
+    assert steps("prefill") == before["prefill"] + 1  # the prompts' step alone
+    assert steps("mixed") == before["mixed"]
+    assert steps("decode") > before["decode"]
