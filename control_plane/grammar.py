@@ -14,6 +14,7 @@ JSON schema takes 10-90 µs on this 2-core machine (docs/api.md).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections import OrderedDict
@@ -141,6 +142,7 @@ class Grammars:
         self._cache: OrderedDict[bytes, llg.LLMatcher] = OrderedDict()
         self._executor: llg.LLExecutor | None = None
         self._compiler = ThreadPoolExecutor(half_the_cpus(), thread_name_prefix="grammar")
+        self._compiling: dict[bytes, asyncio.Future[None]] = {}  # by spec key
 
     def bind(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """The attached model's vocabulary and EOS ids (masks cover min(tokenizer, model))."""
@@ -181,6 +183,19 @@ class Grammars:
         key = spec_key(spec)
         if self._cached(key) is not None:
             return
+        if (compiling := self._compiling.get(key)) is None:  # one compile for a burst
+            compiling = asyncio.ensure_future(self._compile_off_loop(spec, key))
+            self._compiling[key] = compiling
+            compiling.add_done_callback(functools.partial(self._compiled, key))
+        await asyncio.shield(compiling)  # (a waiter that goes away leaves it to the others)
+
+    def _compiled(self, key: bytes, compiling: asyncio.Future[None]) -> None:
+        if self._compiling.get(key) is compiling:
+            del self._compiling[key]
+        if not compiling.cancelled():
+            compiling.exception()  # each waiter has it; none may be left to read it
+
+    async def _compile_off_loop(self, spec: pb.StructuredOutput, key: bytes) -> None:
         loop = asyncio.get_running_loop()
         lltok = self._lltok
         if lltok is None:

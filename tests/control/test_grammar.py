@@ -266,10 +266,18 @@ def test_prepare_compiles_off_the_event_loop_once(
         await grammars.prepare(spec)  # cached: not built again
         with pytest.raises(GrammarError, match=r"^regex: "):
             await grammars.prepare(pb.StructuredOutput(regex="(unclosed"))
+        # A burst of one spec compiles it once; each request gets its error.
+        burst = pb.StructuredOutput(choice=pb.ChoiceList(choices=["left", "right"]))
+        await asyncio.gather(*(grammars.prepare(burst) for _ in range(5)))
+        bad = pb.StructuredOutput(regex="[unclosed")
+        errors = await asyncio.gather(
+            *(grammars.prepare(bad) for _ in range(3)), return_exceptions=True
+        )
+        assert all(isinstance(e, GrammarError) for e in errors), errors
         return threading.current_thread().name
 
     loop_thread = asyncio.run(go())
     state = grammars.start(spec)
-    assert len(built) == 3 and built[0].startswith("lltok grammar"), built
+    assert len(built) == 5 and built[0].startswith("lltok grammar"), built
     assert all(t.startswith("grammar") for t in built[1:]) and loop_thread not in built
     assert state.mask is not None and not state.dead
