@@ -6,7 +6,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 requests_total = Counter(
@@ -27,6 +28,8 @@ routed = Counter(
     "(that plane was down), failover (re-submitted after its control plane failed)",
     ("control", "reason"),
 )
+METRICS_PATH = "/metrics"  # (not counted itself: scrapes are not traffic)
+
 control_in_flight = Gauge(
     "hetero_gateway_control_in_flight", "Generate calls running on each control plane", ("control",)
 )
@@ -40,7 +43,7 @@ class _InFlight:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith("/metrics"):
+        if scope["type"] != "http" or scope["path"] == METRICS_PATH:
             await self.app(scope, receive, send)
             return
         in_flight.inc()
@@ -51,15 +54,19 @@ class _InFlight:
 
 
 def instrument(app: FastAPI) -> None:
-    @app.get("/metrics", include_in_schema=False)
-    async def _metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    @app.api_route(METRICS_PATH, methods=["GET", "HEAD"], include_in_schema=False)
+    async def _metrics(request: Request) -> Response:
+        # The format the scraper asks for (OpenMetrics for Prometheus), as the planes'
+        # prometheus_client servers answer: plain text turns each counter's _created
+        # sample into a series of its own.
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(REGISTRY), media_type=content_type)
 
     @app.middleware("http")
     async def _measure(
         request: Request, call_next: Callable[[Request], Awaitable[Response]]
     ) -> Response:
-        if request.url.path.startswith("/metrics"):
+        if request.url.path == METRICS_PATH:
             return await call_next(request)
         start = time.perf_counter()
         status = 500

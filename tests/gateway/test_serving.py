@@ -654,3 +654,24 @@ def test_a_stream_is_in_flight_until_its_last_byte(link: FakeLink) -> None:
     asyncio.run(run())
     assert seen == [before + 1]
     assert in_flight() == before
+
+
+def test_metrics_answer_head_and_the_format_the_scraper_asks_for(client: TestClient) -> None:
+    """/metrics as the planes' prometheus_client servers serve it: OpenMetrics when the
+    scraper asks (Prometheus does), plain text else, HEAD as GET; only /metrics itself is
+    left out of the HTTP counters, not every path that starts with it."""
+
+    def counted(route: str, status: str) -> float:
+        labels = {"route": route, "status": status}
+        return REGISTRY.get_sample_value("hetero_http_requests_total", labels) or 0.0
+
+    plain = client.get("/metrics")
+    assert plain.headers["content-type"].startswith("text/plain")
+    assert "hetero_http_requests_total" in plain.text
+    open_metrics = client.get("/metrics", headers={"accept": "application/openmetrics-text"})
+    assert open_metrics.headers["content-type"].startswith("application/openmetrics-text")
+    assert open_metrics.text.rstrip().endswith("# EOF")
+    assert client.head("/metrics").status_code == 200
+    before = counted("other", "404"), counted("/metrics", "200")
+    assert client.get("/metricsXYZ").status_code == 404
+    assert (counted("other", "404"), counted("/metrics", "200")) == (before[0] + 1, before[1])
