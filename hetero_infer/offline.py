@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
+from pathlib import Path
+from typing import TypeVar
 
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
@@ -24,7 +26,7 @@ from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
 from control_plane.tokenizer import load_tokenizer
 from hetero_common.accumulate import Accumulated
-from hetero_common.model_path import model_display_name, resolve_model_path
+from hetero_common.model_path import DEFAULT_MODEL, model_display_name, resolve_model_path
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -59,6 +61,8 @@ class OfflineLLM:
         control: ControlConfig | None = None,
     ) -> None:
         path = resolve_model_path(model)
+        compute = _serving(compute, "compute", model, path)
+        control = _serving(control, "control", model, path)
         self.compute_config = compute or ComputeConfig(model=str(path), metrics_port=-1)
         self.control_config = control or ControlConfig(model=str(path), metrics_port=-1)
         self.tokenizer = load_tokenizer(path)
@@ -140,4 +144,20 @@ async def _collect(stream: GenerateStream) -> Completion:
         [c.token_ids for c in choices],
         [c.text for c in choices],
         [c.finish_reason for c in choices],
+    )
+
+
+C = TypeVar("C", ComputeConfig, ControlConfig)
+
+
+def _serving(config: C | None, plane: str, model: str, path: Path) -> C | None:
+    """A plane's config for `model`: its `model` left at the default is `model`; one set
+    to another model is a ValueError (it would be ignored: `model` is what is loaded)."""
+    if config is None or resolve_model_path(config.model) == path:
+        return config
+    if config.model == DEFAULT_MODEL:  # left unset
+        return dataclasses.replace(config, model=str(path))
+    raise ValueError(
+        f"{plane}.model is {config.model!r} but the model is {model!r}: give the same "
+        "model, or leave it to the model argument"
     )

@@ -52,3 +52,20 @@ def test_prompts_and_params_that_would_be_misread_are_refused(smollm2_path: Path
             llm.generate(prompts, params)  # type: ignore[arg-type]
     (done,) = llm.generate([[1, 2, 3]], [p])
     assert len(done.token_ids[0]) == 2
+
+
+def test_a_plane_config_for_another_model_is_refused_not_ignored(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """`model` is what is loaded: a ComputeConfig / ControlConfig naming another model was
+    silently ignored; now it is a ValueError before anything loads. One that leaves
+    `model` at its default takes the model argument (its other settings apply)."""
+    other = smollm2_path.parent  # a path that exists and is not the model
+    with pytest.raises(ValueError, match=r"^compute\.model is .* but the model is"):
+        OfflineLLM(str(smollm2_path), compute=ComputeConfig(model=str(other), metrics_port=-1))
+    with pytest.raises(ValueError, match=r"^control\.model is .* but the model is"):
+        OfflineLLM(str(smollm2_path), control=ControlConfig(model=str(other), metrics_port=-1))
+    model = tmp_path / "model.gguf"  # (not the bundled file's path, which "default" names)
+    model.symlink_to(smollm2_path)
+    llm = OfflineLLM(str(model), compute=ComputeConfig(metrics_port=-1, block_size=32))
+    assert (llm.compute_config.model, llm.compute_config.block_size) == (str(model), 32)
