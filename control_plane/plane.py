@@ -289,6 +289,7 @@ class ComputePlane:
         compute plane at once where one accepts requests, else wait for this one to
         come back (up to compute_timeout)."""
         backoff = 0.2
+        failures = 0  # of the step loop itself (a bug): waits grow from 1 s to a minute
         while True:
             try:
                 if not self.attached.is_set():
@@ -345,17 +346,24 @@ class ComputePlane:
                     continue
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
-            except Exception as e:
-                # A bug here: say so, and fail this plane's requests rather than leave
-                # them waiting on a loop that is gone (with the plane still reported
-                # attached); then attach afresh.
+            except Exception:
+                # A bug here: say so, and fail every request of this plane (those the
+                # scheduler holds, and any whose last tokens were not yet emitted) rather
+                # than leave them waiting on a loop that is gone, with the plane still
+                # reported attached; then attach afresh.
                 log.exception("compute plane %s: the step loop failed", self.address)
                 self._forget_in_flight()
                 if self.attached.is_set():
                     self._detach()
-                self._fail_all(RequestFailed("INTERNAL", f"the control plane failed: {e!r}"))
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                elif self.scheduler is not None:  # (attaching failed part-way)
+                    self._park()
+                message = "the control plane failed while running this request (see its log)"
+                self._fail_all(RequestFailed("INTERNAL", message), every=True)
+                if self.leaving:
+                    self.engine.plane_gone(self)
+                    return
+                await asyncio.sleep(min(2.0**failures, 60.0))
+                failures += 1
 
     def _detach(self) -> None:
         """The step stream is over: keep the requests (parked), drop the block pool."""
@@ -785,13 +793,19 @@ class ComputePlane:
                 self._wake.set()
                 return
 
-    def _fail_all(self, failure: Exception) -> None:
-        """Fail every request of this plane with `failure` (the compute plane stayed away
-        and no other takes its requests, or the step loop failed)."""
+    def _fail_all(self, failure: Exception, every: bool = False) -> None:
+        """Fail the requests this plane keeps with `failure` (the compute plane stayed
+        away and no other takes its requests); with `every`, also every other stream
+        placed here (the step loop failed: some had left the scheduler, finished, with
+        their last tokens not yet emitted)."""
         streams = {}
         for req, _ in self._parked + self._held:
             if (entry := self.engine.choices.get(req.request_id)) is not None:
                 streams[entry[0].stream_id] = entry[0]
+        if every:
+            for stream, _ in list(self.engine.choices.values()):
+                if stream.plane is self:
+                    streams[stream.stream_id] = stream
         self._parked, self._held, self._suspects = [], [], {}
         for stream in streams.values():
             self.engine._fail_stream(stream, failure)

@@ -85,11 +85,12 @@ def test_a_step_loop_that_fails_fails_its_requests_and_starts_afresh(
     smollm2_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A bug in the control plane's step loop (here: emitting a step's tokens raises once)
-    fails the requests it was running, with INTERNAL and a log line, instead of leaving
-    them waiting on a loop that is gone; the plane attaches again and serves the next
-    request with the tokens it gets when nothing fails."""
+    fails every request it was running with INTERNAL and a log line, instead of leaving
+    them waiting on a loop that is gone: one still running, and one that step finished
+    (out of the scheduler, its last token not yet emitted). The plane attaches again and
+    serves the next request with the tokens it gets when nothing fails."""
 
-    async def run() -> tuple[list[int] | BaseException, list[int] | BaseException, list[int]]:
+    async def run() -> tuple[list[BaseException | list[int]], list[int] | BaseException, list[int]]:
         engine = Engine(
             ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
             load_model(smollm2_path, progress=False),
@@ -109,7 +110,9 @@ def test_a_step_loop_that_fails_fails_its_requests_and_starts_afresh(
                 raise RuntimeError("a bug")
 
             plane._emit = broken  # type: ignore[method-assign]
-            failed = await stream_tokens(control.submit(PROMPTS["a"], PARAMS), errors=True)
+            one = pb.GenerationParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            streams = [control.submit(PROMPTS["a"], PARAMS), control.submit(PROMPTS["c"], one)]
+            failed = [await stream_tokens(s, errors=True) for s in streams]
             await asyncio.wait_for(control.attached.wait(), 30)
             again = await stream_tokens(control.submit(PROMPTS["b"], PARAMS), errors=True)
             return failed, again, clean  # type: ignore[return-value]
@@ -117,7 +120,8 @@ def test_a_step_loop_that_fails_fails_its_requests_and_starts_afresh(
             await control.stop()
 
     failed, again, clean = asyncio.run(asyncio.wait_for(run(), 120))
-    assert isinstance(failed, RequestFailed) and failed.code == "INTERNAL", failed
-    assert "RuntimeError('a bug')" in str(failed)
+    for error in failed:
+        assert isinstance(error, RequestFailed) and error.code == "INTERNAL", error
+        assert "the control plane failed while running this request" in str(error)
     assert again == clean and len(clean) == 8
     assert "the step loop failed" in caplog.text
