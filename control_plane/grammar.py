@@ -143,6 +143,9 @@ class Grammars:
         self._executor: llg.LLExecutor | None = None
         self._compiler = ThreadPoolExecutor(half_the_cpus(), thread_name_prefix="grammar")
         self._compiling: dict[bytes, asyncio.Future[None]] = {}  # by spec key
+        # The view being built off the loop, for (eos, size) as they were bound.
+        self._building: tuple[tuple[tuple[int, ...], int], asyncio.Future[llg.LLTokenizer]] | None
+        self._building = None
 
     def bind(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         """The attached model's vocabulary and EOS ids (masks cover min(tokenizer, model))."""
@@ -160,11 +163,12 @@ class Grammars:
             self._lltok = self._new_lltok()
         return self._lltok
 
-    def _new_lltok(self) -> llg.LLTokenizer:
+    def _new_lltok(self, eos: tuple[int, ...] | None = None) -> llg.LLTokenizer:
+        eos = self._eos if eos is None else eos
         return llg.LLTokenizer(
             llg.TokenizerWrapper(_LLGuidanceVocab(self.tokenizer)),
             n_vocab=self.tokenizer.vocab_size,
-            eos_token=list(self._eos or self.tokenizer.eos_token_ids),
+            eos_token=list(eos or self.tokenizer.eos_token_ids),
         )
 
     def compile(self, spec: pb.StructuredOutput) -> llg.LLMatcher:
@@ -196,15 +200,28 @@ class Grammars:
             compiling.exception()  # each waiter has it; none may be left to read it
 
     async def _compile_off_loop(self, spec: pb.StructuredOutput, key: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        lltok = self._lltok
-        if lltok is None:
-            bound = self._eos, self._size
-            lltok = await loop.run_in_executor(self._compiler, self._new_lltok)
-            if self._lltok is None and (self._eos, self._size) == bound:
-                self._lltok = lltok
-        m = await loop.run_in_executor(self._compiler, _build, spec, lltok)
+        lltok = await self._view()
+        m = await asyncio.get_running_loop().run_in_executor(self._compiler, _build, spec, lltok)
         self._store(key, lltok, m)
+
+    async def _view(self) -> llg.LLTokenizer:
+        """`lltok`, built off the loop (seconds for a large vocabulary), once however
+        many compiles wait for it."""
+        if self._lltok is not None:
+            return self._lltok
+        bound = self._eos, self._size
+        if self._building is None or self._building[0] != bound:
+            build = functools.partial(self._new_lltok, bound[0])
+            self._building = (
+                bound,
+                asyncio.get_running_loop().run_in_executor(self._compiler, build),
+            )
+        built = await asyncio.shield(self._building[1])
+        if (self._eos, self._size) != bound:
+            return built  # `bind` changed the vocabulary meanwhile: its matcher is not kept
+        if self._lltok is None:
+            self._lltok = built
+        return self._lltok
 
     def _cached(self, key: bytes) -> llg.LLMatcher | None:
         if (m := self._cache.get(key)) is not None and not m.is_error():

@@ -242,7 +242,7 @@ def test_prepare_compiles_off_the_event_loop_once(
     """A big grammar compiles for seconds: `prepare` builds it in its lane, not on the event
     loop (every stream would stall), and `start` then takes it from the cache; a spec that
     does not compile is the same GrammarError there as in `start`; a fresh Grammars
-    builds its tokenizer view off the loop too."""
+    builds its tokenizer view off the loop too, once for the compiles that wait for it."""
     built: list[str] = []
     build = grammar_module._build
 
@@ -254,15 +254,18 @@ def test_prepare_compiles_off_the_event_loop_once(
     grammars = Grammars(tok)
     new_lltok = grammars._new_lltok
 
-    def recorded_lltok() -> object:
+    def recorded_lltok(*args: object) -> object:
         built.append("lltok " + threading.current_thread().name)
-        return new_lltok()
+        return new_lltok(*args)  # type: ignore[arg-type]
 
     grammars._new_lltok = recorded_lltok  # type: ignore[method-assign]
     spec = pb.StructuredOutput(regex="(yes|no) [0-9]{3}")
 
     async def go() -> str:
-        await grammars.prepare(spec)
+        # Different specs at once on a fresh Grammars: one tokenizer view, each kept.
+        first = [spec, pb.StructuredOutput(regex="a+"), pb.StructuredOutput(regex="b+")]
+        await asyncio.gather(*map(grammars.prepare, first))
+        assert len(grammars._cache) == 3
         await grammars.prepare(spec)  # cached: not built again
         with pytest.raises(GrammarError, match=r"^regex: "):
             await grammars.prepare(pb.StructuredOutput(regex="(unclosed"))
@@ -278,6 +281,6 @@ def test_prepare_compiles_off_the_event_loop_once(
 
     loop_thread = asyncio.run(go())
     state = grammars.start(spec)
-    assert len(built) == 5 and built[0].startswith("lltok grammar"), built
+    assert len(built) == 7 and built[0].startswith("lltok grammar"), built
     assert all(t.startswith("grammar") for t in built[1:]) and loop_thread not in built
     assert state.mask is not None and not state.dead
