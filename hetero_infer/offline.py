@@ -153,10 +153,12 @@ C = TypeVar("C", ComputeConfig, ControlConfig)
 def _serving(config: C | None, plane: str, model: str, path: Path) -> C | None:
     """A plane's config for `model`: its `model` left at the default is `model`; one set
     to another model is a ValueError (it would be ignored: `model` is what is loaded)."""
-    if config is None or resolve_model_path(config.model) == path:
-        return config
-    if config.model == DEFAULT_MODEL:  # left unset
+    if config is None:
+        return None
+    if config.model == DEFAULT_MODEL:  # left unset (resolving it needs the bundled model)
         return dataclasses.replace(config, model=str(path))
+    if resolve_model_path(config.model).resolve() == path.resolve():
+        return config
     raise ValueError(
         f"{plane}.model is {config.model!r} but the model is {model!r}: give the same "
         "model, or leave it to the model argument"

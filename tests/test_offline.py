@@ -69,3 +69,6 @@ def test_a_plane_config_for_another_model_is_refused_not_ignored(
     model.symlink_to(smollm2_path)
     llm = OfflineLLM(str(model), compute=ComputeConfig(metrics_port=-1, block_size=32))
     assert (llm.compute_config.model, llm.compute_config.block_size) == (str(model), 32)
+    # The same file under another name (the link's target) is the same model.
+    same = ControlConfig(model=str(smollm2_path), metrics_port=-1)
+    assert OfflineLLM(str(model), control=same).control_config is same
