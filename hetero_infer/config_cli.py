@@ -15,6 +15,8 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hetero_common.model_path import ModelFileError, read_json_object
+
 T = TypeVar("T")
 
 
@@ -84,11 +86,9 @@ def _file_value(path: Path, name: str, value: Any, tp: Any) -> Any:
 def _read_file(path: Path, cls: type) -> dict[str, Any]:
     """The fields a JSON config file sets, each checked against its type."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--config {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object of config fields")
+        data = read_json_object(path)
+    except ModelFileError as e:  # (it names the file)
+        raise ValueError(f"--config {e}") from None
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
