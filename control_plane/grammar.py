@@ -19,7 +19,6 @@ import json
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import llguidance as llg
@@ -29,7 +28,7 @@ from tokenizers import Tokenizer
 
 from control_plane import metrics
 from control_plane.tokenizer import TokenizerWrapper
-from hetero_common.cpus import half_the_cpus
+from hetero_common.cpus import side_lane
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -141,7 +140,7 @@ class Grammars:
         self._size = tokenizer.vocab_size
         self._cache: OrderedDict[bytes, llg.LLMatcher] = OrderedDict()
         self._executor: llg.LLExecutor | None = None
-        self._compiler = ThreadPoolExecutor(half_the_cpus(), thread_name_prefix="grammar")
+        self._compiler = side_lane("grammar")
         self._compiling: dict[bytes, asyncio.Future[None]] = {}  # by spec key
         # The view being built off the loop, for (eos, size) as they were bound.
         self._building: tuple[tuple[tuple[int, ...], int], asyncio.Future[llg.LLTokenizer]] | None

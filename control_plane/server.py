@@ -14,7 +14,6 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from control_plane.engine import ComputeUnavailable, ControlEngine, RequestFaile
 from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler
 from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_tokenizer
-from hetero_common.cpus import half_the_cpus
+from hetero_common.cpus import side_lane
 from hetero_common.grpc_health import HealthReporter
 from hetero_common.grpc_server import GrpcPlane
 from hetero_common.model_path import model_display_name, resolve_model_path
@@ -172,8 +171,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self.tokenizer: TokenizerWrapper = engine.tokenizer
         self.model_name = model_name
         self.generation_defaults = json.dumps(generation_defaults or {})
-        # Big inputs never take every CPU.
-        self._big_lane = ThreadPoolExecutor(half_the_cpus(), thread_name_prefix="tokenize-big")
+        self._big_lane = side_lane("tokenize-big")  # big inputs never take every CPU
 
     async def prompt_ids(
         self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
@@ -189,6 +187,15 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             return await asyncio.to_thread(work)
         run = functools.partial(contextvars.copy_context().run, work)  # as to_thread does
         return await asyncio.get_running_loop().run_in_executor(self._big_lane, run)
+
+    async def admissible(self, request: pb.GenerateRequest) -> list[int]:
+        """A generate request's prompt ids, once all that `submit` needs done off the event
+        loop is done: a compute plane is there (UNAVAILABLE before any work), the prompt
+        is tokenised and its grammar compiled."""
+        self.engine.check_accepting()
+        prompt_ids = await self.prompt_ids(request)
+        await self.engine.prepare(request.params)
+        return prompt_ids
 
     def _check_size(self, size: int, request: pb.GenerateRequest | pb.TokenizeRequest) -> None:
         """Refuse a text or chat too long for the context before spending seconds rendering
@@ -236,9 +243,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            self.engine.check_accepting()
-            prompt_ids = await self.prompt_ids(request)
-            await self.engine.prepare(request.params)
+            prompt_ids = await self.admissible(request)
             stream = self.engine.submit(
                 prompt_ids,
                 request.params,
@@ -385,9 +390,7 @@ class _ManyCall:
     async def _admit(self, request: pb.GenerateRequest, token: object, packed: bool) -> None:
         rid, starting = request.request_id, self.starting
         try:
-            self.engine.check_accepting()
-            prompt_ids = await self.servicer.prompt_ids(request)
-            await self.engine.prepare(request.params)
+            prompt_ids = await self.servicer.admissible(request)
             if starting.get(rid) is not token:
                 return  # cancelled meanwhile (its id may have been reused since)
             self.running[rid] = self.engine.submit(

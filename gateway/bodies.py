@@ -16,7 +16,6 @@ import asyncio
 import email.message
 import json
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -24,25 +23,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 
-from hetero_common.cpus import half_the_cpus
+from hetero_common.cpus import side_lane
 
 M = TypeVar("M", bound=BaseModel)
 # Bodies up to this size are validated on the event loop (a few milliseconds at most).
 OFF_LOOP_BYTES = 64 << 10
-_lane: ThreadPoolExecutor | None = None
+_LANE = side_lane("body")
 
 
 async def read_body(request: Request, model: type[M]) -> M:
     """The request's body as `model`; RequestValidationError as FastAPI raises it."""
-    raw = await request.body()
+    raw, kind = await request.body(), request.headers.get("content-type")
     if len(raw) <= OFF_LOOP_BYTES:
-        return _parse(raw, request.headers.get("content-type"), model)
-    global _lane
-    if _lane is None:
-        _lane = ThreadPoolExecutor(half_the_cpus(), thread_name_prefix="body")
-    loop = asyncio.get_running_loop()
-    kind = request.headers.get("content-type")
-    return await loop.run_in_executor(_lane, _parse, raw, kind, model)
+        return _parse(raw, kind, model)
+    return await asyncio.get_running_loop().run_in_executor(_LANE, _parse, raw, kind, model)
 
 
 def _parse(raw: bytes, content_type: str | None, model: type[M]) -> M:

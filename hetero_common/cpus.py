@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -40,3 +41,9 @@ def half_the_cpus() -> int:
     """The size of a pool for work that must never take every CPU (a burst of huge
     prompts to tokenise, of grammars to compile): half of them, at least one."""
     return max(1, usable_cpus() // 2)
+
+
+def side_lane(name: str) -> ThreadPoolExecutor:
+    """A pool of `half_the_cpus` threads named `name`-N (started as work comes), for slow
+    work kept off an event loop that must not take every CPU."""
+    return ThreadPoolExecutor(half_the_cpus(), thread_name_prefix=name)
