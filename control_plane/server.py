@@ -29,7 +29,12 @@ from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_token
 from hetero_common.cpus import side_lane
 from hetero_common.grpc_health import HealthReporter
 from hetero_common.grpc_server import GrpcPlane
-from hetero_common.model_path import model_display_name, resolve_model_path
+from hetero_common.model_path import (
+    ModelFileError,
+    model_display_name,
+    read_json_object,
+    resolve_model_path,
+)
 from hetero_common.packed import PackedDeltaWriter
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -530,9 +535,9 @@ def generation_defaults(path: Path) -> dict[str, Any]:
     if file is None or not file.is_file():
         return {}
     try:
-        config = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        log.warning("ignoring %s: %s", file, e)
+        config = read_json_object(file)
+    except ModelFileError as e:  # (it names the file)
+        log.warning("ignoring it: %s", e)
         return {}
     out = {k: config[k] for k in GENERATION_DEFAULTS if isinstance(config.get(k), int | float)}
     if out:
