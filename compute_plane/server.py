@@ -53,6 +53,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
     def __init__(self) -> None:
         self.engine: Engine | None = None
         self.draining = False
+        self.closing = False  # the server is stopping: the engine's threads are going
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Decode steps' engine calls on the event loop's thread instead (set once the
         # engine is loaded); either way one call at a time.
@@ -127,15 +128,19 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         finally:
             if self._driver_stream is stream:
                 self._driver = self._driver_stream = None
-                # Its control plane is gone or moved its requests elsewhere (a new one
-                # resets anyway): a drain need not wait for them. In a task of its own:
-                # when the peer vanished (a control plane killed) gRPC cancels this
-                # handler right after its stream ends, which cancelled the drop with it
-                # and left the requests held until a drain timed out.
-                drop = asyncio.ensure_future(self._call(engine.drop_requests, "control plane gone"))
-                self._drops.add(drop)
-                drop.add_done_callback(self._drops.discard)
-                await asyncio.shield(drop)
+                if not self.closing:  # (closing: the process ends, nothing to drop for)
+                    await self._drop_requests(engine)
+
+    async def _drop_requests(self, engine: Engine) -> None:
+        """Its control plane is gone or moved its requests elsewhere (a new one resets
+        anyway): a drain need not wait for them. In a task of its own: when the peer
+        vanished (a control plane killed) gRPC cancels the stream's handler right after
+        the stream ends, which cancelled the drop with it and left the requests held
+        until a drain timed out."""
+        drop = asyncio.ensure_future(self._call(engine.drop_requests, "control plane gone"))
+        self._drops.add(drop)
+        drop.add_done_callback(self._drops.discard)
+        await asyncio.shield(drop)
 
     async def _steps(
         self,
@@ -309,6 +314,7 @@ async def serve(config: ComputeConfig) -> None:
             log.info("compute plane drained (%d requests still held)", held)
     finally:
         log.info("compute plane shutting down")
+        servicer.closing = True  # (a Run stream cut by the stop drops nothing on the way)
         await plane.close()
         servicer.executor.shutdown(wait=False, cancel_futures=True)
         servicer.waiter.shutdown(wait=False, cancel_futures=True)

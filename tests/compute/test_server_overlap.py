@@ -184,3 +184,36 @@ def test_on_the_event_loop_only_steps_of_decodes_are_launched() -> None:
     assert not servicer._inline(decodes)
     servicer.executor.shutdown()
     servicer.waiter.shutdown()
+
+
+class Peer(Context):
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+
+@pytest.mark.parametrize("closing", [False, True], ids=["stream-ended", "server-stopping"])
+def test_a_run_stream_that_ends_drops_its_requests_unless_the_server_stops(closing: bool) -> None:
+    """A Run stream that ends (its control plane gone) drops the requests it held; one cut
+    by the server's own stop does not try, as the engine's threads are shut down by then
+    (the drop raised RuntimeError there: a traceback at each Ctrl-C on `serve`)."""
+    engine = StubEngine()
+    engine.drop_requests = lambda why: engine.log.append(f"drop: {why}")  # type: ignore[attr-defined]
+
+    async def go() -> None:
+        servicer = ComputeServicer()
+        servicer.engine = engine  # type: ignore[assignment]
+        servicer.closing = closing
+        if closing:
+            servicer.executor.shutdown()
+
+        async def no_steps() -> AsyncIterator[pb.StepRequest]:
+            return
+            yield
+
+        async for _ in servicer.Run(no_steps(), Peer()):  # type: ignore[arg-type]
+            pass
+        servicer.executor.shutdown()
+        servicer.waiter.shutdown()
+
+    asyncio.run(go())
+    assert engine.log == ([] if closing else ["drop: control plane gone"])
