@@ -13,7 +13,7 @@ from typing import NoReturn
 from hetero_common.logs import LOG_FORMATS, setup_logging
 from hetero_common.tracing import setup_tracing
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
-from hetero_infer.local import PlaneExited
+from hetero_infer.local import PlaneExited, die_with_parent
 
 
 def _compute_plane(args: argparse.Namespace) -> int:
@@ -236,6 +236,7 @@ SERVERS = ("compute-plane", "control-plane", "gateway")
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_parent()  # a plane that serve or generate started ends with it
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:

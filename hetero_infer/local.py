@@ -22,6 +22,27 @@ from hetero_common.cpus import usable_cpus
 
 START_TIMEOUT = 300.0  # seconds a plane may take to be serving, unless told otherwise
 PLANES = ("compute-plane", "control-plane", "gateway")
+# The pid of the process that started this one with `spawned`: it ends when that does.
+PARENT_ENV = "HETERO_INFER_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a process `spawned` started: get SIGTERM when the process that started it ends,
+    killed too (SIGKILL, the OOM killer), so that a plane stops, and frees its port and
+    memory, as it would had its parent stopped it; exit at once when that parent is gone
+    already. Armed in the child itself, first thing (a preexec_fn is unsafe in a process
+    with threads); nothing where the variable is unset or not on Linux."""
+    parent = os.environ.pop(PARENT_ENV, None)  # (not for this process's own children)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if os.getppid() != int(parent):  # it died before the signal was armed
+        os._exit(1)
 
 
 class PlaneExited(RuntimeError):
@@ -185,7 +206,9 @@ def gateway_process(
 
 @contextlib.contextmanager
 def spawned(args: list[str], quiet: bool = False) -> Iterator[subprocess.Popen[bytes]]:
-    """`hetero-infer ARGS` as a child process, stopped (SIGTERM) at the end of the block."""
+    """`hetero-infer ARGS` as a child process, stopped (SIGTERM) at the end of the block,
+    or when this process ends any other way (`die_with_parent`: the signal comes when the
+    thread that started it ends, so start it on one that outlives it, as the main one)."""
     out = subprocess.DEVNULL if quiet else None
     with contextlib.ExitStack() as files:
         err = files.enter_context(tempfile.TemporaryFile()) if quiet else None
@@ -193,7 +216,7 @@ def spawned(args: list[str], quiet: bool = False) -> Iterator[subprocess.Popen[b
             [sys.executable, "-m", "hetero_infer.cli", *args],
             stdout=out,
             stderr=err,
-            env=dict(os.environ),
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
         )
         if err is not None:
             _stderr[proc] = err

@@ -3,11 +3,13 @@ names it and exit status 2: no traceback, nothing left running."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -205,3 +207,34 @@ def test_generate_names_a_refused_request() -> None:
     # The control plane's INVALID_ARGUMENT was a grpc traceback.
     r = _run("generate", "hi", "--max-tokens", "100000000")
     _refused(r, "prompt (1 tokens) + max_tokens (100000000) = 100000001 exceeds")
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped by its new parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_serve_takes_its_planes_with_it() -> None:
+    # SIGKILL on serve (the OOM killer, kill -9) left its three planes running, holding
+    # their ports: nothing told them their parent was gone.
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--port", str(free_port())]
+    serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    children: dict[int, str] = {}
+    try:
+        assert serve.stdout is not None
+        assert "serving the OpenAI API" in serve.stdout.readline()
+        children = _children(serve.pid)
+        assert len(children) == 3, children
+        serve.kill()
+        serve.wait()
+        deadline = time.monotonic() + 10
+        while any(map(_alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [cmd for pid, cmd in children.items() if _alive(pid)]
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
