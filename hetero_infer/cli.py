@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-planes",
         type=int,
         default=1,
-        help="compute planes behind the control plane (data parallel; each gets an equal "
-        "share of the CPUs unless --compute-arg sets --num-threads)",
+        help="compute planes behind the control plane (data parallel; at most the CPUs "
+        "this process may use, each gets an equal share of them unless --compute-arg sets "
+        "--num-threads)",
     )
     for plane in ("compute", "control"):
         p.add_argument(

@@ -252,8 +252,12 @@ def local_planes(
     log_args: --log-level / --log-format flags for both. start_timeout: seconds for all of
     them to be serving (TimeoutError, each stopped); default: START_TIMEOUT for each.
     """
-    if num_compute < 1:
-        raise ValueError(f"--compute-planes must be at least 1, not {num_compute}")
+    cpus = usable_cpus()
+    if not 1 <= num_compute <= cpus:  # (10000 started 10000 processes, each loading the model)
+        raise ValueError(
+            f"--compute-planes must be in 1..{cpus}, got {num_compute}: each compute plane "
+            f"takes at least one of the {cpus} CPUs this process may use"
+        )
     cport = free_port()
     kports = [free_port() for _ in range(num_compute)]
     kmetrics, cmetrics = metrics_ports or (free_port(), free_port())
@@ -264,7 +268,7 @@ def local_planes(
     control_args += ["--metrics-port", str(cmetrics), *extra_control]
     threads: tuple[str, ...] = ()
     if num_compute > 1 and not any(a.startswith("--num-threads") for a in extra_compute):
-        share = max(1, usable_cpus() // num_compute)
+        share = cpus // num_compute
         threads = ("--num-threads", str(share))
     compute_planes = []
     for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):

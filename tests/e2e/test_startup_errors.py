@@ -16,6 +16,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from hetero_common.cpus import usable_cpus
 from hetero_infer.local import free_port, stop_process
 
 
@@ -113,6 +114,16 @@ def test_serve_refuses_a_bad_port_before_starting_anything() -> None:
     r = _run("serve", "--port", "70000", timeout=30)
     _refused(r, "--port must be in 1..65535, got 70000")
     assert "compute_plane" not in r.stderr  # no plane logged a line
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_serve_bounds_compute_planes_by_the_cpus(extra: int) -> None:
+    # No upper bound: --compute-planes 10000 started 10000 processes, each loading the model.
+    cpus = usable_cpus()
+    n = 0 if extra == 0 else cpus + extra
+    r = _run("serve", "--port", str(free_port()), "--compute-planes", str(n), timeout=30)
+    _refused(r, f"--compute-planes must be in 1..{cpus}, got {n}: each compute plane takes")
+    assert "compute_plane" not in r.stderr  # nothing started
 
 
 def test_generate_names_why_its_quiet_plane_failed(tmp_path: Path) -> None:
