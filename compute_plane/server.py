@@ -21,7 +21,8 @@ Results go back in the order of their steps.
 SIGTERM drains: health turns NOT_SERVING, new streams and Describe get UNAVAILABLE,
 the open step stream keeps running with `draining` set on every result (so the control
 plane sends no new requests), and the process exits once it holds no request, or
-after --drain-timeout.
+after --drain-timeout, ending the step stream with UNAVAILABLE (not leaving it open for
+the gRPC server's stop grace).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         # stream ends (a crashed control plane's connection closes, and so does it).
         self._driver: str | None = None
         self._driver_stream: object | None = None
+        self._runs: set[asyncio.Task[Any]] = set()  # the open Run streams' handlers
         self._drops: set[asyncio.Future[None]] = set()  # (asyncio keeps weak references)
 
     async def _claim(self, context: grpc.aio.ServicerContext) -> None:
@@ -122,10 +124,19 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         stream = object()
         self._driver, self._driver_stream = context.peer(), stream
         log.info("driven by control plane %s", self._driver)
+        task = asyncio.current_task()
+        assert task is not None
+        self._runs.add(task)
         try:
             async for result in self._steps(engine, request_iterator, context):
                 yield result
+        except asyncio.CancelledError:
+            if not self.closing:  # (the peer went: grpc cancels the handler)
+                raise
+            # end_runs: a status now, not a call left open for the stop's grace
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the compute plane stopped")
         finally:
+            self._runs.discard(task)
             if self._driver_stream is stream:
                 self._driver = self._driver_stream = None
                 if not self.closing:  # (closing: the process ends, nothing to drop for)
@@ -270,6 +281,12 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         await context.abort(grpc.StatusCode.INTERNAL, f"step {step_id} failed: {error}")
         raise AssertionError("abort raises")
 
+    def end_runs(self) -> None:
+        """End the open Run streams now (the server stops): an idle control plane keeps
+        its stream open, and the server's stop grace waited a second for it."""
+        for task in self._runs:
+            task.cancel()
+
     def num_held(self) -> int:
         """Requests the engine holds for a control plane that drives it (what a drain
         waits for: without one, nothing will step them)."""
@@ -315,6 +332,7 @@ async def serve(config: ComputeConfig) -> None:
     finally:
         log.info("compute plane shutting down")
         servicer.closing = True  # (a Run stream cut by the stop drops nothing on the way)
+        servicer.end_runs()
         await plane.close()
         servicer.executor.shutdown(wait=False, cancel_futures=True)
         servicer.waiter.shutdown(wait=False, cancel_futures=True)

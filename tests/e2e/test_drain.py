@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from hetero_infer.local import child, free_port, stop_process, wait_http_ready
+from hetero_infer.local import child, free_port, stop_process, wait_http_ready, wait_serving
 from hetero_proto import compute_pb2, compute_pb2_grpc
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -181,3 +181,19 @@ def test_gateway_finishes_stream_then_exits(signals: tuple[signal.Signals, ...])
             exits_zero(gw, sent)
         finally:
             stop_process(gw)
+
+
+def test_an_idle_compute_plane_exits_at_once_and_is_taken_back() -> None:
+    """SIGTERM on a compute plane that a control plane drives but that holds no request:
+    it exits at once (its stop waited out gRPC's 1 s grace for the control plane's open,
+    idle Run stream), and the control plane takes it back when it serves again."""
+    k, c, compute, control = planes()
+    with child(k, compute) as kproc, child(c, control) as cproc:
+        sent = time.monotonic()
+        kproc.send_signal(signal.SIGTERM)
+        assert kproc.wait(timeout=DRAIN + 15) == 0
+        assert time.monotonic() - sent < 0.7  # was 1.05 s
+        with child(k, compute), grpc.insecure_channel(control) as ch:
+            wait_serving(control, cproc)
+            tokens, finish = collect(pb_grpc.ControlPlaneStub(ch).Generate(request(), timeout=120))
+            assert len(tokens) == TOKENS and finish == pb.FINISH_REASON_LENGTH
