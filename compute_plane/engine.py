@@ -37,6 +37,7 @@ from compute_plane.device import (
     use_device,
 )
 from compute_plane.gpu_memory import num_blocks_from_free_memory
+from compute_plane.host_memory import check_kv_budget
 from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.loader import LoadedModel, load_model
 from compute_plane.model import Model, ModelKernels
@@ -286,6 +287,7 @@ class Engine:
             num_blocks = num_blocks_from_free_memory(model, config, max_len, free_before)
             num_blocks = max(2, int(num_blocks * share))
         else:
+            check_kv_budget(config.kv_cache_bytes)  # (the weights are in memory by now)
             num_blocks = num_blocks_for_budget(
                 cfg, self.block_size, self.dtype, int(config.kv_cache_bytes * share)
             )

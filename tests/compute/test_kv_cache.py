@@ -4,9 +4,12 @@ blocks are written (an anonymous mapping's zero pages), then hold what was writt
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
+from compute_plane import host_memory
 from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.model_config import ModelConfig
 
@@ -59,3 +62,36 @@ def test_a_view_keeps_the_mapping_alive() -> None:
     k[5] = 4.0
     del cache
     assert float(k[5].sum()) == 4.0 * 16 * 3 * 64 and not k[6].any()
+
+
+def test_host_memory_left_by_a_cgroup_v2_and_v1(tmp_path: Path) -> None:
+    # The limit less the working set (usage without the inactive page cache).
+    (tmp_path / "memory.max").write_text("1000000\n")
+    (tmp_path / "memory.current").write_text("600000\n")
+    (tmp_path / "memory.stat").write_text("anon 300000\ninactive_file 200000\n")
+    assert host_memory.cgroup_memory_left(tmp_path) == 600000
+    (tmp_path / "memory.max").write_text("max\n")
+    assert host_memory.cgroup_memory_left(tmp_path) is None
+    for name in ("memory.max", "memory.current", "memory.stat"):
+        (tmp_path / name).unlink()
+    v1 = tmp_path / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text("1000000\n")
+    (v1 / "memory.usage_in_bytes").write_text("1500000\n")  # over: nothing left
+    assert host_memory.cgroup_memory_left(tmp_path) == 0
+    (v1 / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # no limit
+    assert host_memory.cgroup_memory_left(tmp_path) is None
+    assert host_memory.cgroup_memory_left(tmp_path / "absent") is None
+    (tmp_path / "meminfo").write_text("MemTotal: 2048 kB\nMemAvailable: 1024 kB\n")
+    assert host_memory.mem_available(tmp_path / "meminfo") == 1 << 20
+    assert host_memory.mem_available(tmp_path / "absent") is None
+
+
+def test_a_kv_budget_past_the_memory_available_names_the_flag_and_both_sizes() -> None:
+    available = host_memory.mem_available()
+    if available is None:
+        pytest.skip("no /proc/meminfo")
+    host_memory.check_kv_budget(1 << 20)
+    with pytest.raises(ValueError, match=r"--kv-cache-bytes (\d+) \(.* GiB\) is more than") as e:
+        host_memory.check_kv_budget(4 * available)
+    assert f"--kv-cache-bytes {4 * available} " in str(e.value)

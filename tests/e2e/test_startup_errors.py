@@ -142,12 +142,26 @@ def test_generate_names_why_its_quiet_plane_failed(tmp_path: Path) -> None:
         # libgomp's complaint and a RuntimeError traceback from torch.set_num_threads.
         ("--num-threads=-3", "num_threads must be >= 1, got -3"),
         # mmap's OSError (ENOMEM) traceback: more than the kernel will map.
-        ("--kv-cache-bytes=100000000000000000", "kv_cache_bytes: cannot map"),
+        ("--kv-cache-bytes=100000000000000000", "--kv-cache-bytes 100000000000000000 ("),
     ],
 )
 def test_compute_plane_sizes_it_cannot_have_are_named(flag: str, message: str) -> None:
     r = _run("compute-plane", "--port", str(free_port()), "--metrics-port", "-1", flag)
     _refused(r, message)
+
+
+def test_a_kv_cache_larger_than_the_memory_available_is_refused() -> None:
+    # As large as the machine's RAM: the lazily mapped pool was accepted (each layer's
+    # tensor maps), and the OOM killer ended the plane once the cache filled.
+    total = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    flag = f"--kv-cache-bytes={total}"
+    r = _run("compute-plane", "--port", str(free_port()), "--metrics-port", "-1", flag)
+    _refused(r, f"--kv-cache-bytes {total} (")
+    assert "is more than the memory available" in r.stderr
 
 
 @pytest.mark.parametrize(
