@@ -61,6 +61,11 @@ class ComputeLink(Protocol):
         ...
 
     async def receive(self) -> pb.StepResult: ...
+    async def detach(self) -> None:
+        """End the step stream `attach` opened (the compute plane is then free for
+        another control plane); `attach` may be called again."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -141,10 +146,13 @@ class ComputeClient:
                 f"compute plane {self.address}: {e.code().name}: {e.details()}", e.code().name
             ) from e
 
-    async def close(self) -> None:
+    async def detach(self) -> None:
         if self._run is not None:
             self._run.cancel()
             self._run = None
+
+    async def close(self) -> None:
+        await self.detach()
         await self.channel.close()
 
 
@@ -193,6 +201,9 @@ class InProcessLink:
         request = self._sent.popleft()
         result = self._answer(request)
         return pb.StepResult.FromString(result.SerializeToString()) if self._wire else result
+
+    async def detach(self) -> None:
+        self._sent.clear()
 
     async def close(self) -> None:
         return None

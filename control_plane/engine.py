@@ -102,6 +102,11 @@ class ControlEngine:
         self.streams: dict[str, GenerateStream] = self.outputs.streams
         self.choices: dict[str, tuple[GenerateStream, Choice]] = self.outputs.choices
         self.attached = asyncio.Event()  # set while any compute plane is attached
+        self.served = False  # a compute plane was attached once
+        # Set when the first compute plane cannot serve this configuration (PlaneUnfit):
+        # a start-up error (`unfit` says why), not a control plane serving without it.
+        self.unfit_at_start = asyncio.Event()
+        self.unfit: str = ""
         self.labels = {"model_name": model_name}
         self.draining = False  # this process is shutting down: refuse new requests
         self._link = link
@@ -178,6 +183,25 @@ class ControlEngine:
 
     def plane_attached(self, plane: ComputePlane) -> None:
         self.attached.set()
+        self.served = True
+
+    async def first_attached(self) -> None:
+        """Until a compute plane is attached; ValueError (why) when the first one cannot
+        serve this configuration."""
+        attached = asyncio.ensure_future(self.attached.wait())
+        unfit = asyncio.ensure_future(self.unfit_at_start.wait())
+        await asyncio.wait((attached, unfit), return_when=asyncio.FIRST_COMPLETED)
+        attached.cancel()
+        unfit.cancel()
+        if not self.attached.is_set():
+            raise ValueError(self.unfit)
+
+    def plane_unfit(self, error: Exception) -> None:
+        """A compute plane cannot serve this configuration: before any served, the
+        control plane's start-up fails with it; later, that plane is left unattached."""
+        if not self.served and not self.unfit_at_start.is_set():
+            self.unfit = str(error)
+            self.unfit_at_start.set()
 
     def plane_detached(self, plane: ComputePlane) -> None:
         if not any(p.attached.is_set() for p in self.planes.values()):

@@ -53,6 +53,11 @@ class RequestFailed(RuntimeError):
         self.code = code  # gRPC status code name
 
 
+class PlaneUnfit(ComputeLinkError):
+    """The compute plane cannot serve what this control plane was configured for
+    (speculative decoding it cannot verify or draft): it is not attached."""
+
+
 class _Leave(Exception):
     """The plane left the list of compute planes: its requests move to the others."""
 
@@ -122,6 +127,7 @@ class ComputePlane:
         self.steps_ahead = 1  # --steps-ahead, resolved at each attach
         self.leaving = False  # gone from the list of compute planes: hand requests over
         self.refused = False  # its last attach found another control plane driving it
+        self._unfit: str | None = None  # why its last attach refused it (PlaneUnfit)
         # Requests kept across a compute-plane failure, in re-admission order, with the
         # request whose prompt blocks they fork (n > 1) or None.
         self._parked: list[tuple[Request, Request | None]] = []
@@ -239,6 +245,7 @@ class ComputePlane:
         metrics.compute_attached.labels(**self.plane_labels).set(1)
         self.attached.set()
         self.refused = False
+        self._unfit = None
         self.engine.plane_attached(self)
         log.info(
             "attached compute plane %s: %s on %s, %d blocks of %d, max_model_len %d, "
@@ -257,16 +264,18 @@ class ComputePlane:
         spec = self.engine.config.speculation
         if spec is None:
             return None
+        # Refused, not served without speculation: it was asked for (as vLLM refuses a
+        # speculative config it cannot run).
         if d.max_speculative_tokens < 1:
-            log.error("speculative decoding is off: the compute plane verifies no proposals")
-            return None
-        if spec.method == "draft" and not d.draft_model:
-            log.error(
-                "speculative decoding is off: --speculative draft, but the compute plane at "
-                "%s holds no draft model (start it with --draft-model)",
-                self.address,
+            raise PlaneUnfit(
+                f"--speculative {spec.method}: the compute plane at {self.address} verifies "
+                "no proposals (its --max-speculative-tokens is 0)"
             )
-            return None
+        if spec.method == "draft" and not d.draft_model:
+            raise PlaneUnfit(
+                f"--speculative draft: the compute plane at {self.address} holds no draft "
+                "model (start it with --draft-model)"
+            )
         if spec.num_tokens > d.max_speculative_tokens:
             log.warning(
                 "num_speculative_tokens %d capped at the compute plane's max_speculative_tokens %d",
@@ -310,6 +319,12 @@ class ComputePlane:
                 continue
             except (ComputeLinkError, StepFailed) as e:
                 now = time.monotonic()
+                if isinstance(e, PlaneUnfit):  # (tried again, in case it is restarted)
+                    await self.client.detach()
+                    if self._unfit != str(e):
+                        log.error("compute plane %s not attached: %s", self.address, e)
+                    self._unfit = str(e)
+                    self.engine.plane_unfit(e)
                 if not self.attached.is_set() and getattr(e, "code", "") == "FAILED_PRECONDITION":
                     if not self.refused:
                         log.info("compute plane %s: %s", self.address, e)

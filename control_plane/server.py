@@ -498,7 +498,11 @@ async def serve(config: ControlConfig) -> None:
     await engine.start()
     log.info("control plane listening on %s, compute plane %s", plane.address, config.compute)
     watcher = asyncio.create_task(_follow_attachment(engine, plane.health))
-    await plane.stopped()
+    if await plane.before_stop(engine.unfit_at_start.wait()):
+        watcher.cancel()
+        await plane.close()
+        await engine.stop()
+        raise ValueError(engine.unfit)  # (no compute plane can serve it yet)
     watcher.cancel()
     engine.draining = True
     log.info(

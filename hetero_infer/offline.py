@@ -94,7 +94,7 @@ class OfflineLLM:
         )
         await control.start()
         try:
-            await control.attached.wait()
+            await control.first_attached()
             streams = []
             for prompt, p in zip(prompts, params, strict=True):
                 ids = (

@@ -18,6 +18,7 @@ import pytest
 
 from hetero_common.cpus import usable_cpus
 from hetero_infer.local import free_port, stop_process
+from tests.procs import compute_plane
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -108,6 +109,16 @@ def test_serve_stops_when_a_plane_fails_to_start(flag: str, plane: str, error: s
     assert f"hetero-infer: error: {error}" in r.stderr  # the plane's own line
     assert f"hetero-infer: error: the {plane} exited with status 2 before serving" in r.stderr
     assert not _running(f"--port {port}")  # the gateway, stopped with the others
+
+
+def test_speculation_a_compute_plane_cannot_do_stops_the_control_plane() -> None:
+    # It logged an ERROR and served without speculation.
+    with compute_plane("--kv-cache-bytes", str(64 << 20)) as compute:
+        r = _run(
+            "control-plane", "--port", str(free_port()), "--metrics-port", "-1",
+            "--compute", compute, "--speculative", "draft",
+        )  # fmt: skip
+    _refused(r, f"--speculative draft: the compute plane at {compute} holds no draft model")
 
 
 def test_serve_refuses_a_bad_port_before_starting_anything() -> None:
