@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -103,9 +104,25 @@ def config_from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -
     values: dict[str, Any] = {}
     if getattr(args, "config", None) is not None:
         values.update(_read_file(Path(args.config), cls))
+    from_file = set(values)
     for name in names:
         v = getattr(args, name, None)
         if v is not None:
             values[name] = v
+            from_file.discard(name)
     values.update(overrides)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:  # the operator typed flags: name them, not the fields
+        raise ValueError(as_flags(str(e), names - from_file - set(overrides))) from None
+
+
+def as_flags(message: str, names: set[str]) -> str:
+    """A config check's `message` with the field names in `names` written as their flags
+    (`block_size must be ...` -> `--block-size must be ...`); the value after ", got " is
+    left as given, and a name already in a flag (`--tls-cert`) is left alone."""
+    head, sep, tail = message.partition(", got ")
+    for name in sorted(names, key=len, reverse=True):
+        flag = "--" + name.replace("_", "-")
+        head = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flag, head)
+    return head + sep + tail

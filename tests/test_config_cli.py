@@ -65,6 +65,22 @@ def test_wrongly_typed_file_values_are_named(
         _parse(cls, ["--config", str(f)])
 
 
+def test_a_refused_value_names_the_flag_it_came_from(tmp_path: Path) -> None:
+    # Start-up errors named the field (block_size), not the flag the operator typed.
+    with pytest.raises(ValueError, match=r"^--block-size must be in 1\.\.256, got 0$"):
+        _parse(ComputeConfig, ["--block-size", "0"])
+    with pytest.raises(ValueError, match=r"^--max-num-batched-tokens and --max-num-seqs must"):
+        _parse(ComputeConfig, ["--max-num-seqs", "0"])
+    with pytest.raises(ValueError, match=r"^--device must be .*, got 'port'$"):  # (as given)
+        _parse(ComputeConfig, ["--device", "port"])
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"block_size": 0}))
+    with pytest.raises(ValueError, match=r"^block_size must be"):  # the file's key
+        _parse(ComputeConfig, ["--config", str(f)])
+    with pytest.raises(ValueError, match=r"^--block-size must be"):  # the flag beats the file
+        _parse(ComputeConfig, ["--config", str(f), "--block-size", "300"])
+
+
 def test_file_values_of_the_right_type_are_taken(tmp_path: Path) -> None:
     f = tmp_path / "c.json"
     f.write_text(

@@ -96,8 +96,8 @@ def _running(marker: str) -> list[str]:
 @pytest.mark.parametrize(
     ("flag", "plane", "error"),
     [
-        ("--compute-arg=--block-size=0", "compute plane", "block_size must be in 1..256"),
-        ("--control-arg=--max-num-seqs=0", "control plane", "max_num_seqs must be >= 1"),
+        ("--compute-arg=--block-size=0", "compute plane", "--block-size must be in 1..256"),
+        ("--control-arg=--max-num-seqs=0", "control plane", "--max-num-seqs must be >= 1"),
     ],
 )
 def test_serve_stops_when_a_plane_fails_to_start(flag: str, plane: str, error: str) -> None:
@@ -151,7 +151,7 @@ def test_generate_names_why_its_quiet_plane_failed(tmp_path: Path) -> None:
     ("flag", "message"),
     [
         # libgomp's complaint and a RuntimeError traceback from torch.set_num_threads.
-        ("--num-threads=-3", "num_threads must be >= 1, got -3"),
+        ("--num-threads=-3", "--num-threads must be >= 1, got -3"),
         # mmap's OSError (ENOMEM) traceback: more than the kernel will map.
         ("--kv-cache-bytes=100000000000000000", "--kv-cache-bytes 100000000000000000 ("),
     ],
