@@ -369,6 +369,9 @@ class _ManyCall:
                     self.starting.pop(msg.cancel, None)
                     if (stream := self.running.pop(msg.cancel, None)) is not None:
                         self.engine.abort(stream)
+                else:  # (a client's mistake, or an action this server does not know)
+                    error = AdmissionError("a GenerateManyRequest must set start or cancel")
+                    self.outbox.fail("", error, end=False)
         except Exception as e:
             # Starts and cancels could no longer be read: end the call, so that the
             # client sees it and opens another, rather than wait on it.

@@ -186,3 +186,34 @@ def test_a_refusal_after_the_client_stopped_sending_is_still_written() -> None:
         assert written == ["early", "late"]
 
     asyncio.run(go())
+
+
+def test_a_message_without_an_action_is_an_error_not_ignored() -> None:
+    """GenerateMany: a message that sets neither start nor cancel (sent by mistake, or an
+    action this server does not know) gets an INVALID_ARGUMENT error with no request id,
+    and the call goes on with the next message's request."""
+
+    async def go() -> None:
+        def prompt_ids(request: pb.GenerateRequest, add_special_tokens: bool) -> list[int]:
+            raise AdmissionError(f"{request.request_id} refused")
+
+        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
+        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
+        servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
+
+        async def messages() -> AsyncIterator[pb.GenerateManyRequest]:
+            yield pb.GenerateManyRequest()
+            yield pb.GenerateManyRequest(accept_packed=True)
+            yield pb.GenerateManyRequest(start=pb.GenerateRequest(request_id="next"))
+
+        call = servicer.GenerateMany(messages(), None)  # type: ignore[arg-type]
+        errors = [e for m in [m async for m in call] for e in m.errors]
+        assert [(e.request_id, e.code) for e in errors] == [
+            ("", "INVALID_ARGUMENT"),
+            ("", "INVALID_ARGUMENT"),
+            ("next", "INVALID_ARGUMENT"),
+        ]
+        assert "start or cancel" in errors[0].message
+        assert errors[2].message == "next refused"
+
+    asyncio.run(go())
