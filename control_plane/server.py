@@ -29,6 +29,7 @@ from control_plane.tokenizer import TokenizerError, TokenizerWrapper, load_token
 from hetero_common.cpus import side_lane
 from hetero_common.grpc_health import HealthReporter
 from hetero_common.grpc_server import GrpcPlane
+from hetero_common.limits import MAX_GRPC_MESSAGE_BYTES, MAX_RECEIVE_BYTES
 from hetero_common.model_path import (
     ModelFileError,
     model_display_name,
@@ -45,7 +46,13 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ControlPlane"].full_name
 # 64 KiB is ~16k tokens, tens of milliseconds to tokenise.
 BIG_INPUT_BYTES = 64 << 10
 
+
+class MessageTooLarge(ValueError):
+    """A request message larger than MAX_GRPC_MESSAGE_BYTES (what gRPC refuses by default)."""
+
+
 _STATUS = {
+    MessageTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     AdmissionError: grpc.StatusCode.INVALID_ARGUMENT,
     TokenizerError: grpc.StatusCode.INVALID_ARGUMENT,
     ChatTemplateError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -66,6 +73,17 @@ async def _abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
     if code is None:
         raise e
     await context.abort(code, str(e))
+
+
+def check_message_size(request: Any) -> None:
+    """The server reads messages up to MAX_RECEIVE_BYTES, so that a GenerateMany start over
+    the request limit is refused alone instead of ending the call and every request on it;
+    each RPC then refuses such a message itself, as gRPC refused it before."""
+    if (size := request.ByteSize()) > MAX_GRPC_MESSAGE_BYTES:
+        raise MessageTooLarge(
+            f"the request message is larger than the maximum ({size} vs. "
+            f"{MAX_GRPC_MESSAGE_BYTES} bytes)"
+        )
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
@@ -185,6 +203,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         GIL). A big input waits for the big-input lane, a pool of half the CPUs: a burst of
         huge prompts would otherwise fill every worker thread, and each small request
         would wait seconds behind them to be tokenised."""
+        check_message_size(request)
         size = _input_bytes(request)
         self._check_size(size, request)  # before queueing: a refusal should not wait
         work = functools.partial(self._prompt_ids, request, add_special_tokens)
@@ -308,6 +327,10 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
+        try:
+            check_message_size(request)
+        except MessageTooLarge as e:
+            await _abort(context, e)
         ids = list(request.token_ids)
         if ids and (min(ids) < 0 or max(ids) >= self.tokenizer.vocab_size):
             await context.abort(
@@ -494,7 +517,7 @@ async def serve(config: ControlConfig) -> None:
         tokenizer.chat_template = read_chat_template(config.chat_template)
         log.info("chat template from %s", config.chat_template)
     engine = ControlEngine(config, tokenizer, model_name=model_display_name(path))
-    plane = GrpcPlane(config, SERVICE_NAME)
+    plane = GrpcPlane(config, SERVICE_NAME, max_receive_bytes=MAX_RECEIVE_BYTES)
     servicer = ControlServicer(engine, model_display_name(path), generation_defaults(path))
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, plane.server)
     await plane.start()

@@ -28,10 +28,18 @@ log = logging.getLogger(__name__)
 
 
 class GrpcPlane:
-    def __init__(self, config: GrpcServerConfig, service: str) -> None:
+    def __init__(
+        self, config: GrpcServerConfig, service: str, max_receive_bytes: int | None = None
+    ) -> None:
+        """`max_receive_bytes`: the largest message the server reads (None: grpc's 4 MiB)."""
         self.config = config
         self.address = f"{config.host}:{config.port}"
-        self.server = grpc.aio.server()
+        options = (
+            []
+            if max_receive_bytes is None
+            else [("grpc.max_receive_message_length", max_receive_bytes)]
+        )
+        self.server = grpc.aio.server(options=options)
         self.health = HealthReporter(self.server, service)
         self._stop = asyncio.Event()
         self.metrics_port: int | None = None  # once serving /metrics

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from hetero_common.limits import MAX_GRPC_MESSAGE_BYTES
 from hetero_common.packed import packed_responses
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import compute_pb2_grpc as cpb_grpc
@@ -350,6 +351,42 @@ def test_generate_many_errors_and_cancels_touch_only_their_request(stub, alone) 
     assert st.num_free_kv_blocks == st.num_usable_kv_blocks
     assert st.integrity_ok, st.integrity_error
     assert st.num_running == 0 and st.num_waiting == 0
+
+
+def test_an_oversized_message_is_refused_alone(stub, alone) -> None:  # type: ignore[no-untyped-def]
+    """A start over the 4 MiB request limit (gRPC's default) gets its own RESOURCE_EXHAUSTED
+    RequestError: gRPC refusing it would end the whole GenerateMany call, and every other
+    request on it. Generate, Tokenize and Detokenize refuse such a message as before."""
+    huge = "x" * (MAX_GRPC_MESSAGE_BYTES + 1000)
+    many = _ManyCall(stub)
+    many.start("before", greedy(_prompts()[0], MAX_TOKENS))
+    many.start("huge", pb.GenerateRequest(text=huge, params=pb.GenerationParams(max_tokens=2)))
+    many.start("after", greedy(_prompts()[0], MAX_TOKENS))
+    tokens: dict[str, list[int]] = {"before": [], "after": []}
+    errors: list[pb.RequestError] = []
+    ended: set[str] = set()
+    while len(ended) < 2 or not errors:
+        msg = many.read()
+        errors.extend(msg.errors)
+        for resp in msg.responses:
+            tokens[resp.request_id].extend(t for c in resp.choices for t in c.token_ids)
+            if resp.HasField("usage"):
+                ended.add(resp.request_id)
+    many.close()
+    assert tokens == {"before": alone[0], "after": alone[0]}
+    assert [(e.request_id, e.code) for e in errors] == [("huge", "RESOURCE_EXHAUSTED")]
+    assert str(MAX_GRPC_MESSAGE_BYTES) in errors[0].message
+    for call, request in [
+        (stub.Generate, pb.GenerateRequest(text=huge)),
+        (stub.Tokenize, pb.TokenizeRequest(text=huge)),
+        (stub.Detokenize, pb.DetokenizeRequest(token_ids=[40000] * (2 << 20))),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            reply = call(request, timeout=60)
+            if isinstance(reply, Iterator):
+                list(reply)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert str(MAX_GRPC_MESSAGE_BYTES) in (e.value.details() or "")
 
 
 def _full(
