@@ -39,6 +39,10 @@ class ErrorJSON(JSONResponse):
 class APIError(Exception):
     """An error to return to the client as `{"error": {...}}`."""
 
+    # The generate call of a request's several (a completions batch's prompt) that this
+    # error is about, when it is about one: set where the calls' messages are read.
+    call_index: int | None = None
+
     def __init__(
         self,
         status: int,

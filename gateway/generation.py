@@ -191,12 +191,17 @@ def generation_params(
     return p
 
 
+def is_batch(req: CompletionRequest) -> bool:
+    """`prompt` is a list of prompts (not a text, nor one prompt's token ids)."""
+    raw = req.prompt
+    return not (isinstance(raw, str) or isinstance(raw[0], int))
+
+
 def completion_calls(req: CompletionRequest) -> list[pb.GenerateRequest]:
     """One Generate call per prompt (a batch of prompts gives n choices each)."""
     params = generation_params(req, req.max_tokens, req.logprobs)
     raw = req.prompt
-    one = isinstance(raw, str) or isinstance(raw[0], int)  # text or token ids, not a batch
-    prompts: list[str | list[int]] = [raw] if one else list(raw)  # type: ignore[list-item,arg-type]
+    prompts: list[str | list[int]] = list(raw) if is_batch(req) else [raw]  # type: ignore[arg-type,list-item]
     calls = []
     for prompt in prompts:
         if isinstance(prompt, str):
@@ -287,6 +292,8 @@ async def stream_calls(
                 raise item
             i, resp = item
             if isinstance(resp, BaseException):
+                if isinstance(resp, APIError):
+                    resp.call_index = i
                 raise resp
             if resp.prompt_token_ids:
                 prompt_ids[i] = list(resp.prompt_token_ids)

@@ -185,7 +185,7 @@ class Router:
                 isinstance(resp, APIError) and resp.code == "unavailable"
             )
             if not isinstance(resp, APIError) or not movable or plane is None or s.cancelled:
-                s.queue.put_nowait(resp)
+                s.queue.put_nowait((i, resp))  # (with its index: a batch names the prompt)
                 return
             plane.set_up(False, resp.message)
             call.failed.add(plane.address)
@@ -281,4 +281,4 @@ class Router:
 
     def _fail(self, s: _Session, i: int, error: APIError) -> None:
         s.moving.discard(i)
-        s.queue.put_nowait(error)
+        s.queue.put_nowait((i, error))

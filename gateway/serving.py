@@ -31,6 +31,7 @@ from gateway.generation import (
     completion_calls,
     constraining_field,
     detokenize,
+    is_batch,
     start_stream,
 )
 from gateway.multiplex import Calls
@@ -268,6 +269,10 @@ class Serving(Generic[Body]):
                 e.param = self.input_param  # (as OpenAI: the input is what does not fit)
             elif e.param is None and e.message.startswith(GRAMMAR_KINDS):
                 e.param = constraining_field(body)  # the control plane's grammar compile
+            if e.param == self.input_param and e.call_index is not None and self.batch(body):
+                # One prompt of a batch was refused: which (as pydantic names prompt.3.0)
+                e.param = f"{e.param}.{e.call_index}"
+                e.message = f"{e.param}: {e.message.removeprefix(self.input_param + ': ')}"
             raise
 
     async def _serve(self, body: Body, request: Request) -> Response:
@@ -298,6 +303,10 @@ class Serving(Generic[Body]):
 
     def calls(self, body: Body) -> list[pb.GenerateRequest]:
         raise NotImplementedError
+
+    def batch(self, body: Body) -> bool:
+        """The input is a list of inputs, one call each (an error names the one at fault)."""
+        return False
 
     async def head(self, call: Call[Body], prompt_ids: list[list[int]]) -> list[dict[str, Any]]:
         """Choices of the chunks before the deltas, one chunk each (once every call is
@@ -422,6 +431,9 @@ class CompletionServing(Serving[CompletionRequest]):
 
     def calls(self, body: CompletionRequest) -> list[pb.GenerateRequest]:
         return completion_calls(body)
+
+    def batch(self, body: CompletionRequest) -> bool:
+        return is_batch(body)
 
     async def prefixes(
         self, call: Call[CompletionRequest], prompt_ids: list[list[int]]

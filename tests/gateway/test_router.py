@@ -246,6 +246,21 @@ def test_a_refusal_is_the_clients_but_unavailable_moves_on() -> None:
     run(go)
 
 
+def test_a_refusal_says_which_of_the_calls_it_is() -> None:
+    """(So that a completions batch's 400 names the prompt: prompt.2.)"""
+
+    async def go() -> None:
+        router, (only,) = make_router(n=1)
+        task = asyncio.create_task(collect_calls(router, [request()] * 3, 60))
+        _, sink = await started(only)
+        sink.put_nowait((2, from_code("INVALID_ARGUMENT", "prompt: token id 9 is out of ...")))
+        with pytest.raises(APIError) as e:
+            await task
+        assert e.value.status == 400 and e.value.call_index == 2
+
+    run(go)
+
+
 def test_with_one_control_plane_a_broken_call_fails_at_once() -> None:
     async def go() -> None:
         router, (only,) = make_router(n=1)

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.errors import APIError
+from gateway.errors import APIError, from_code
 from gateway.serving import PlaneSettings
 from hetero_proto import control_pb2 as pb
 
@@ -45,12 +45,13 @@ def prompt_logprobs(top: int, prompt_ids: list[int] = PROMPT_IDS) -> list[pb.Tok
 class FakeMux:
     """Answers each generate call with a scripted stream: admitted, then `pieces` as
     deltas of every choice (the first with the prompt's logprobs when asked), then the
-    usage; or fails it with `error`; or, with `hold`, admits it and then sends nothing
-    (a generation still under way)."""
+    usage; or fails it with `error`, or call i alone with `call_errors[i]`; or, with
+    `hold`, admits it and then sends nothing (a generation still under way)."""
 
     def __init__(self) -> None:
         self.pieces = ["Hel", "lo", "!"]
         self.error: APIError | None = None
+        self.call_errors: dict[int, APIError] = {}
         self.hold = False
         self.prompt_ids = PROMPT_IDS
         self.calls: list[pb.GenerateRequest] = []
@@ -63,6 +64,9 @@ class FakeMux:
         for i, call in enumerate(calls):
             if self.error is not None:
                 queue.put_nowait(self.error)
+                continue
+            if i in self.call_errors:
+                queue.put_nowait((i, self.call_errors[i]))
                 continue
             n = call.params.n or 1
             queue.put_nowait((i, pb.GenerateResponse(prompt_token_ids=self.prompt_ids)))
@@ -257,6 +261,39 @@ def test_a_control_plane_error_is_an_openai_error(
     }
     if status in (429, 503):
         assert r.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        (
+            "prompt (3 tokens) + max_tokens (4096) = 4099 exceeds the maximum context length "
+            "of 2048 tokens",
+            "context_length_exceeded",
+        ),
+        ("prompt: token id 99999 is out of vocabulary", "invalid_argument"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_refused_prompt_of_a_batch_is_named(
+    client: TestClient, link: FakeLink, message: str, code: str, stream: bool
+) -> None:
+    """A batch's prompt the control plane refuses is named by its index (param and
+    message), as pydantic names a bad token id in it; a single prompt stays `prompt`."""
+    link.mux.call_errors = {2: from_code("INVALID_ARGUMENT", message)}
+    body = {"model": MODEL, "prompt": ["a", "b", "c"], "stream": stream}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "prompt.2" and error["code"] == code
+    assert error["message"] == f"prompt.2: {message.removeprefix('prompt: ')}"
+    link.mux.call_errors = {0: from_code("INVALID_ARGUMENT", message)}
+    r = client.post("/v1/completions", json={**body, "prompt": "a"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # An error about a field the prompts share names that field, not a prompt.
+    link.mux.call_errors = {1: from_code("INVALID_ARGUMENT", "stop_token_ids: token id 7 ...")}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
 
 
 TOOLS = [
