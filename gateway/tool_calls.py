@@ -31,7 +31,11 @@ _X_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def check(body: ChatCompletionRequest) -> None:
-    """OpenAI's rules: tool_choice needs tools; a named function must be one of them."""
+    """OpenAI's rules: tool_choice needs tools; a named function must be one of them.
+    (Each tool's parameters are a valid object schema: the body's validation checks it.)
+    A function tool_choice forces a call to (required: any) must have parameters that
+    llguidance compiles: its error names the tool, where the grammar's own would quote the
+    whole generated grammar and blame no field."""
     choice = body.tool_choice
     if choice is not None and choice != "none" and not body.tools:
         raise APIError(400, "tool_choice is set but no tools are given", param="tool_choice")
@@ -51,10 +55,20 @@ def check(body: ChatCompletionRequest) -> None:
                 400, f"tools[{i}]: function name {t.function.name!r} repeats", param="tools"
             )
         seen.add(t.function.name)
-        params = t.function.parameters
-        if params is not None and params.get("type", "object") != "object":
+    must = {id(t) for t in forced(body) or ()}
+    for i, t in enumerate(body.tools or ()):
+        if id(t) not in must:
+            continue
+        schema = json.dumps(t.function.parameters or {"type": "object"})
+        if error := llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_json_schema(schema)
+        ):
+            where = f"tools.{i}.function.parameters"
             raise APIError(
-                400, f"tools[{i}].function.parameters must be an object schema", param="tools"
+                400,
+                f"{where}: function {t.function.name!r}: the schema cannot constrain the call "
+                f"tool_choice asks for: {error.strip().splitlines()[0][:300]}",
+                param=where,
             )
 
 
@@ -84,20 +98,8 @@ def call_schema(tool: Tool) -> dict[str, Any]:
 
 
 def grammar(tools: list[Tool], parallel: bool) -> str:
-    """Lark (llguidance) grammar of one tool-call block of calls to these tools. A
-    function's parameters schema that llguidance cannot compile is a 400 naming that
-    tool (the grammar's own error would quote the whole grammar and blame no field)."""
-    for t in tools:
-        schema = json.dumps(t.function.parameters or {"type": "object"})
-        if error := llguidance.LLMatcher.validate_grammar(
-            llguidance.LLMatcher.grammar_from_json_schema(schema)
-        ):
-            raise APIError(
-                400,
-                f"tools: function {t.function.name!r}: its parameters schema cannot "
-                f"constrain the call tool_choice asks for: {error.strip().splitlines()[0][:300]}",
-                param="tools",
-            )
+    """Lark (llguidance) grammar of one tool-call block of calls to these tools (whose
+    schemas `check` has seen compile)."""
     schemas = [call_schema(t) for t in tools]
     one: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
     one = {**one, "x-guidance": _X_GUIDANCE}

@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 version() { python3 -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 mkdir -p .whl
-for name in grpcio grpcio-health-checking grpcio-reflection protobuf gguf llguidance \
+for name in grpcio grpcio-health-checking grpcio-reflection protobuf gguf llguidance jsonschema-rs \
   fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp -d .whl \

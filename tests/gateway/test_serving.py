@@ -309,6 +309,66 @@ TWO_CALLS = [
 ]
 
 
+@pytest.mark.parametrize(
+    ("parameters", "needle"),
+    [
+        ({"type": "object", "properties": []}, '[] is not of type "object" (at properties)'),
+        ({"type": "object", "properties": {"a": {"type": "strin"}}}, "at properties.a.type"),
+        ({"type": "object", "required": "a"}, "at required"),
+        (
+            {"$schema": "http://json-schema.org/draft-07/schema#", "properties": {"a": 5}},
+            "at properties.a",
+        ),
+        ({"type": "string"}, "must be an object schema"),
+        ({"type": "object", "properties": {"a": {"maximum": 1e400}}}, "not finite"),
+    ],
+)
+@pytest.mark.parametrize(
+    "choice", [None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}}]
+)
+def test_a_tool_schema_that_is_not_json_schema_is_a_400_whatever_tool_choice_says(
+    client: TestClient, link: FakeLink, parameters: dict[str, Any], needle: str, choice: Any
+) -> None:
+    """As OpenAI: tools.0.function.parameters must be a valid JSON Schema (an object's),
+    not only where tool_choice compiles it into a grammar."""
+    tools = [
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "f", "parameters": parameters}},
+    ]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    if choice is not None:
+        body["tool_choice"] = choice
+    text = json.dumps(body).replace("Infinity", "1e400")  # (valid JSON; Python reads inf)
+    headers = {"Content-Type": "application/json"}
+    r = client.post("/v1/chat/completions", content=text, headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools.1.function.parameters"
+    assert error["message"].startswith("tools.1.function.parameters: ")
+    assert needle in error["message"]
+    assert not link.mux.calls
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}},
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?!x)"}}},
+        {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+        {"$schema": "https://example.com/unknown", "type": "object"},
+        {"$schema": "json-schema.org/draft-07/schema#", "type": "object"},  # (not fetched)
+        {"$schema": "http://json-schema.org/draft-07/schema", "type": "object"},
+    ],
+)
+def test_valid_json_schema_llguidance_cannot_compile_is_taken_under_auto(
+    client: TestClient, link: FakeLink, parameters: dict[str, Any]
+) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(("parallel", "calls"), [(True, 2), (False, 1)])
 def test_parallel_tool_calls_false_returns_the_first_call_alone(
     client: TestClient, link: FakeLink, parallel: bool, calls: int
