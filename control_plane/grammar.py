@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 from control_plane import metrics
 from control_plane.tokenizer import TokenizerWrapper
 from hetero_common.cpus import side_lane
+from hetero_common.grammar_errors import readable
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 
@@ -83,7 +84,7 @@ def _from_schema(schema: dict[str, Any] | bool) -> str:
     try:
         return llg.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
     except ValueError as e:
-        raise GrammarError(f"json_schema: {e}") from None
+        raise GrammarError(f"json_schema: {readable(str(e))}") from None
 
 
 def _build(spec: pb.StructuredOutput, lltok: llg.LLTokenizer) -> llg.LLMatcher:
@@ -92,7 +93,7 @@ def _build(spec: pb.StructuredOutput, lltok: llg.LLTokenizer) -> llg.LLMatcher:
     # (no validate_grammar first: it parses the grammar again and says the same)
     m = llg.LLMatcher(lltok, grammar_text(spec), log_level=0)
     if m.is_error():
-        raise GrammarError(f"{spec.WhichOneof('kind')}: {m.get_error()}")
+        raise GrammarError(f"{spec.WhichOneof('kind')}: {readable(m.get_error())}")
     metrics.grammar_compile_seconds.observe(time.perf_counter() - t0)
     return m
 

@@ -23,6 +23,7 @@ import llguidance
 
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
+from hetero_common.grammar_errors import readable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -67,7 +68,7 @@ def check(body: ChatCompletionRequest) -> None:
             raise APIError(
                 400,
                 f"{where}: function {t.function.name!r}: the schema cannot constrain the call "
-                f"tool_choice asks for: {error.strip().splitlines()[0][:300]}",
+                f"tool_choice asks for: {readable(error.strip().splitlines()[0])[:300]}",
                 param=where,
             )
 

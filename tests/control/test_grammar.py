@@ -195,6 +195,25 @@ def test_bad_specs_name_the_problem(
         grammars.compile(spec)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        pb.StructuredOutput(json_schema='{"items": ' * 140 + "{}" + "}" * 140),
+        pb.StructuredOutput(grammar="start: %json " + '{"items": ' * 140 + "{}" + "}" * 140),
+    ],
+    ids=["json_schema", "lark %json"],
+)
+def test_grammar_compiler_errors_quote_no_position_in_json_we_wrote(
+    grammars: Grammars, spec: pb.StructuredOutput
+) -> None:
+    """Deeper than serde_json reads (128 levels; Python reads it): its 'recursion limit
+    exceeded at line 1 column 2220' pointed into the schema as serialised again, not as
+    the client sent it."""
+    with pytest.raises(GrammarError) as e:
+        grammars.compile(spec)
+    assert "nested too deeply" in str(e.value) and "column" not in str(e.value), e.value
+
+
 def test_compiled_grammars_are_cached_and_states_independent(
     grammars: Grammars, tok: TokenizerWrapper
 ) -> None:

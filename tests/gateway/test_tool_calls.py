@@ -174,3 +174,20 @@ def test_a_forced_call_to_a_schema_that_does_not_compile_is_a_400_naming_the_too
     tool_calls.grammar(
         tool_calls.forced(body({"type": "function", "function": {"name": "ok"}})) or [], False
     )
+
+
+def test_a_forced_schema_too_deep_to_compile_names_no_position_in_json_we_wrote() -> None:
+    """serde's "at line 1 column 2451" pointed into the call schema the gateway builds
+    around the tool's parameters, which the client never sent."""
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(70):
+        schema = {"type": "object", "properties": {"a": schema}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+         "tool_choice": "required"}
+    )  # fmt: skip
+    with pytest.raises(APIError) as e:
+        tool_calls.check(body)
+    assert e.value.param == "tools.0.function.parameters"
+    assert "nested too deeply" in e.value.message and "column" not in e.value.message
