@@ -90,6 +90,10 @@ def forced(body: ChatCompletionRequest) -> list[Tool] | None:
 
 def call_schema(tool: Tool) -> dict[str, Any]:
     params = tool.function.parameters or {"type": "object", "properties": {}}
+    if "$id" not in params:
+        # Its own resource: "#/$defs/X" (pydantic's refs) resolves in the tool's schema,
+        # not in this call schema it is nested in (which has no $defs: it did not compile).
+        params = {"$id": f"urn:hetero-tool:{tool.function.name}", **params}
     return {
         "type": "object",
         "properties": {"name": {"const": tool.function.name}, "arguments": params},

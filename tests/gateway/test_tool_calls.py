@@ -138,6 +138,43 @@ def test_forced_grammar_compiles_and_accepts_a_call(smollm2_path) -> None:  # ty
     assert _fn(calls) == [("get_weather", {"city": "Paris"})]
 
 
+def test_a_forced_call_follows_the_schemas_own_refs(smollm2_path) -> None:  # type: ignore[no-untyped-def]
+    """Parameters with $defs and "#/$defs/..." refs (as pydantic writes a model's schema):
+    the refs resolve in the tool's schema, not in the call schema around it. They failed
+    to compile in the control plane ("Pointer '/$defs/Point' does not exist", quoting the
+    whole grammar)."""
+    from control_plane.grammar import Grammars
+    from control_plane.tokenizer import load_tokenizer
+    from hetero_proto import control_pb2 as pb
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    params = {
+        "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/Point"}},
+        "required": ["at"],
+        "$defs": {"Point": point},
+    }
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": params}}
+        for name in ("move", "jump")
+    ]
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+         "tool_choice": "required"}
+    )  # fmt: skip
+    tool_calls.check(body)
+    tok = load_tokenizer(smollm2_path)
+    grammars = Grammars(tok)
+    spec = pb.StructuredOutput(grammar=tool_calls.grammar(tool_calls.forced(body) or [], True))
+    good = '<tool_call>[{"name": "jump", "arguments": {"at": {"x": 3}}}]</tool_call>'
+    bad = '<tool_call>[{"name": "jump", "arguments": {"at": {"x": "3"'
+    for text, ok in ((good, True), (bad, False)):
+        state = grammars.start(spec)
+        for t in tok.encode(text, add_special_tokens=False):
+            grammars.advance([(state, t)])
+        assert state.dead != ok and state.complete == ok, text
+
+
 @pytest.mark.parametrize(
     "parameters",
     [
