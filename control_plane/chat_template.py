@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import jinja2
@@ -16,8 +18,23 @@ class ChatTemplateError(ValueError):
     """The messages cannot be rendered (bad shape, or the template raised)."""
 
 
+class _TemplateRaised(ChatTemplateError):
+    """The template's own raise_exception("..."), with the objects its code had in hand."""
+
+    def __init__(self, message: str, in_hand: list[dict[Any, Any]]) -> None:
+        super().__init__(message)
+        self.in_hand = in_hand
+
+
 def _raise(message: str) -> None:
-    raise ChatTemplateError(message)
+    """The template's raise_exception. Its locals (jinja2 compiles a template to Python:
+    the message a `{% for %}` is on is a local of the template's frame) tell which message
+    it refused, for `render_chat` to name."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename != "<template>":
+        frame = frame.f_back
+    in_hand = [] if frame is None else [v for v in frame.f_locals.values() if isinstance(v, dict)]
+    raise _TemplateRaised(message, in_hand)
 
 
 def _tojson(
@@ -131,6 +148,7 @@ def render_chat(
         msgs = with_tool_prompt(msgs, tools)
     elif not uses_tools(template):
         msgs = [_calls_as_text(m) for m in msgs]
+    added = len(msgs) - len(messages)  # (the tool prompt's system message, first)
     variables: dict[str, Any] = {**(special_tokens or {}), **(kwargs or {})}
     variables.update(
         messages=msgs,
@@ -141,6 +159,11 @@ def render_chat(
     )
     try:
         text = _compile(template).render(**variables)
+    except _TemplateRaised as e:
+        on = {k for k, m in enumerate(msgs) if any(m is x for x in e.in_hand)}
+        if len(on) == 1 and (i := on.pop() - added) >= 0:
+            raise ChatTemplateError(f"messages[{i}]: the chat template refuses it: {e}") from e
+        raise ChatTemplateError(f"the chat template refuses the chat: {e}") from e
     except ChatTemplateError:
         raise
     except Exception as e:  # a template may raise anything: the request's fault, a 400

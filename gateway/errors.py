@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 import grpc
@@ -89,6 +90,9 @@ def from_code(name: str, message: str) -> APIError:
 
 # Fields the control plane names at the start of its INVALID_ARGUMENT messages.
 _PARAMS = ("logit_bias", "stop_token_ids", "chat_template_kwargs", "tools_json", "prompt")
+# A message of the chat it names ("messages[2]: the chat template refuses it: ..."), named
+# as the gateway's own validation names it (messages.2)
+_MESSAGE = re.compile(r"messages\[(\d+)\]")
 
 
 def _from_status(code: grpc.StatusCode, details: str | None) -> APIError:
@@ -97,6 +101,8 @@ def _from_status(code: grpc.StatusCode, details: str | None) -> APIError:
     for field in _PARAMS:  # a message that starts with the field it blames
         if (details or "").startswith(f"{field}:"):
             param = field
+    if m := _MESSAGE.match(details or ""):
+        param = f"messages.{m[1]}"
     message = details or code.name
     name = code.name.lower()
     if status == 400 and "maximum context length" in message:

@@ -261,3 +261,37 @@ def test_generate_without_a_compute_plane_is_refused_before_tokenising(
     assert refused == ("UNAVAILABLE", "no compute plane is attached") and tokenised == []
     reply = asyncio.run(servicer.Tokenize(pb.TokenizeRequest(text="Hi"), _Context()))  # type: ignore[arg-type]
     assert reply.token_ids == tok.encode("Hi") and tokenised == ["text"]
+
+
+GEMMA3 = (Path(__file__).parents[1] / "data/chat_templates/google-gemma-3-it.jinja").read_text()
+
+
+def _turn(role: str) -> dict[str, str]:
+    return {"role": role, "content": role[0]}
+
+
+@pytest.mark.parametrize(
+    ("roles", "tools", "says"),
+    [
+        (["user", "user"], None, "messages[1]: the chat template refuses it: Conversation roles"),
+        (["system", "user", "assistant", "assistant"], None, "messages[3]: "),
+        (["assistant"], None, "messages[0]: "),
+        # The tool prompt's system message, put first, is not the client's message 0.
+        (["user", "user"], [{"type": "function", "function": {"name": "f"}}], "messages[1]: "),
+    ],
+)
+def test_a_template_refusal_names_the_message_it_was_on(
+    roles: list[str], tools: list[dict[str, Any]] | None, says: str
+) -> None:
+    """Gemma 3's template raises when roles do not alternate: the error names the message
+    its loop was on (the gateway's param messages.N; was no param at all)."""
+    with pytest.raises(ChatTemplateError) as e:
+        render_chat(GEMMA3, [_turn(r) for r in roles], True, "<bos>", "<eos>", tools)
+    assert str(e.value).startswith(says), e.value
+
+
+def test_a_template_refusal_outside_its_loop_names_the_chat() -> None:
+    template = "{% for m in messages %}{% endfor %}{{ raise_exception('no user turn') }}"
+    with pytest.raises(ChatTemplateError) as e:
+        render_chat(template, [_turn("user"), _turn("user")], True, "", "")
+    assert str(e.value) == "the chat template refuses the chat: no user turn"

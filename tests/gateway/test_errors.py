@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.errors import from_code
 from gateway.schemas import ChatCompletionRequest
 
 JSON = {"content-type": "application/json"}
@@ -225,3 +226,21 @@ def test_a_bad_value_in_a_union_is_named_where_it_is(
     err = _error(r, 400)
     assert err["param"] == param, err
     assert needle in str(err["message"]), err
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        (
+            "messages[3]: the chat template refuses it: Conversation roles must alternate",
+            "messages.3",
+        ),
+        ("messages[12].role must be a string", "messages.12"),
+        ("the chat template refuses the chat: System role not supported", "messages"),
+        ("stop_token_ids: token id 7 is not in 0..5", "stop_token_ids"),
+    ],
+)
+def test_a_control_plane_refusal_names_the_message_it_names(message: str, param: str) -> None:
+    """(A chat template's refusal had param null.)"""
+    e = from_code("INVALID_ARGUMENT", message)
+    assert (e.status, e.param, e.message) == (400, param, message)
