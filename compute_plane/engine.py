@@ -503,16 +503,19 @@ class Engine:
         for c in req.continuing:
             if (held := self.requests.get(c.request_id)) is not None:  # else failed before
                 held.block_ids.extend(c.new_block_ids)
-        self._steps_counted[bool(self._unsettled)].inc()
         launched = Launched(pb.StepResult(step_id=req.step_id))
         for f in failures:
             self._fail(f, launched.result)
         if rows:
+            overlapped = bool(self._unsettled)
             masks = {m.request_id: m for m in req.masks}
             todo = [Row(rid, st, st.num_computed_tokens, n, masks.get(rid)) for rid, st, n in rows]
             if req.proposals:
                 self._propose(todo, req.proposals)
             self._run(todo, launched)
+            # Counted as the step histograms observe it: a step that ran a forward (one
+            # that only releases requests, or whose every request failed, runs none).
+            self._steps_counted[overlapped].inc()
         self.counters.num_steps += 1
         self.counters.num_requests_added += len(req.new_requests)
         return launched

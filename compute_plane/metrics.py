@@ -55,7 +55,7 @@ engine_resets = Counter(
 )
 steps = Counter(
     "hetero_compute_steps",
-    "Steps launched; overlapped=true: launched before the previous step's samples were "
-    "taken (on a GPU: while it computed)",
+    "Steps launched that ran a forward; overlapped=true: launched before the previous "
+    "step's samples were taken (on a GPU: while it computed)",
     (*L, "overlapped"),
 )

@@ -185,3 +185,36 @@ def test_token_masks_constrain_one_request_and_bad_masks_fail_alone(engine: Engi
     step.masks.add(request_id="b", size=vocab, ids=list(range(vocab)), invert=True)
     res = engine.step(step)
     assert "allows no token" in res.failed[0].message
+
+
+def test_steps_counter_counts_the_steps_the_step_histograms_observe(engine: Engine) -> None:
+    """hetero_compute_steps_total counts steps that ran a forward, as the step duration,
+    tokens and seqs histograms observe them: a step that only releases requests, or whose
+    only request fails alone, runs none (it was counted, so the counter ran ahead of the
+    histograms' _count)."""
+    from prometheus_client import REGISTRY
+
+    m = engine.metric_labels
+
+    def counts() -> tuple[float, ...]:
+        def get(name: str, **labels: str) -> float:
+            return REGISTRY.get_sample_value(name, {**labels, **m}) or 0.0
+
+        steps = sum(get("hetero_compute_steps_total", overlapped=o) for o in ("true", "false"))
+        timed = sum(
+            get("hetero_compute_step_duration_seconds_count", kind=k)
+            for k in ("prefill", "decode", "mixed")
+        )
+        tokens = get("hetero_compute_tokens_per_step_count")
+        return steps, timed, tokens, get("hetero_compute_seqs_per_step_count")
+
+    engine.reset()
+    drv = StepDriver(engine.num_blocks, engine.block_size)
+    before = counts()
+    engine.step(drv.step(new=[drv.new("a", PROMPT, len(PROMPT))]))
+    engine.step(drv.step(cont=[drv.cont("a", 1)]))
+    engine.step(drv.step(finished=["a"]))  # releases only
+    bad = drv.step(new=[drv.new("bad", PROMPT, len(PROMPT))])
+    bad.masks.add(request_id="bad", size=engine.model_config.vocab_size, ids=[1 << 30])
+    assert [f.request_id for f in engine.step(bad).failed] == ["bad"]
+    assert [a - b for a, b in zip(counts(), before, strict=True)] == [2, 2, 2, 2]
