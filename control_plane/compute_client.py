@@ -55,7 +55,10 @@ class ComputeLink(Protocol):
     concurrent: bool
 
     async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse: ...
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool: ...
+    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool | None:
+        """True: it answered, up; False: it is down; None: no answer in time."""
+        ...
+
     async def send(self, request: pb.StepRequest) -> None:
         """Send a step; `receive` returns its result. One step is in flight at a time."""
         ...
@@ -95,8 +98,10 @@ class ComputeClient:
         self._run = self.stub.Run()
         return description
 
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
-        """False when the compute plane refuses connections or reports NOT_SERVING.
+    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool | None:
+        """False when the compute plane refuses connections or reports NOT_SERVING; True
+        when it answered SERVING; None when it did not answer in time (or failed the
+        call otherwise): not a death, but no sign that it is up either.
 
         A slow answer is not a death: only UNAVAILABLE counts. A draining compute plane
         reports NOT_SERVING on purpose while it finishes its requests: then only an
@@ -105,7 +110,7 @@ class ComputeClient:
         try:
             r = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            return e.code() != grpc.StatusCode.UNAVAILABLE
+            return False if e.code() == grpc.StatusCode.UNAVAILABLE else None
         return draining or bool(r.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def send(self, request: pb.StepRequest) -> None:

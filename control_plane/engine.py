@@ -359,8 +359,8 @@ class ControlEngine:
             self._count_routed(target, reason)
             self._settle(stream, target)
             for req, _ in group:
-                if (count := src._suspects.pop(req.request_id, None)) is not None:
-                    target._suspects[req.request_id] = count
+                if (suspect := src._suspects.pop(req.request_id, None)) is not None:
+                    target._suspects[req.request_id] = suspect
             target._parked.extend(group)
             touched[target.address] = target
         for target in touched.values():

@@ -38,6 +38,19 @@ log = logging.getLogger(__name__)
 # A request in flight this many times in a row when a compute plane failed is failed,
 # not re-admitted: a request that crashes every compute plane must not crash them all.
 MAX_COMPUTE_FAILURES = 2
+# Compute planes that fail within this many seconds of each other may be one outage (a
+# node lost, several pods killed at once): a request lost with one goes on trial on a
+# plane only once that plane was seen up longer than this after the loss, so a plane dying
+# in the same outage never has it in flight, and the outage counts once against it.
+SAME_OUTAGE_SECONDS = 0.5
+
+
+@dataclasses.dataclass(slots=True)
+class Suspect:
+    """A request in flight when a compute plane failed, until a step of it runs."""
+
+    failures: int  # failures in a row it was in flight for
+    lost_at: float  # time.monotonic() of the last
 
 
 class ComputeUnavailable(RuntimeError):
@@ -143,12 +156,16 @@ class ComputePlane:
         # Per step in flight: its wall-clock marks in this loop (schedule start, scheduled,
         # encoded, sent, previous outputs emitted), for `ControlEngine.timeline`.
         self._marks: deque[list[int]] = deque()
-        # Requests in flight when the compute plane failed, until a step of theirs runs,
-        # with how many failures in a row they saw. They go back one at a time: the others
-        # wait in `_held` until the one on trial has run a step (or ended), so a request
-        # that crashes the compute plane again is alone among the suspects when it does.
-        self._suspects: dict[str, int] = {}
+        # Requests in flight when the compute plane failed, until a step of theirs runs.
+        # They go back one at a time: the others wait in `_held` until the one on trial
+        # has run a step (or ended), so a request that crashes the compute plane again is
+        # alone among the suspects when it does; and only once this plane was seen up
+        # SAME_OUTAGE_SECONDS after the suspect was lost (`_up_at`).
+        self._suspects: dict[str, Suspect] = {}
         self._held: list[tuple[Request, Request | None]] = []
+        # time.monotonic() when the compute plane last showed it was up: attached, a step's
+        # result, a health check answered.
+        self._up_at = 0.0
         # Prompt blocks (chain-hash keys) of the requests placed here and still live: a
         # request sharing them goes here even before they are computed and cached.
         self.placed_keys: Counter[BlockHash] = Counter()
@@ -240,6 +257,7 @@ class ComputePlane:
         self.steps_ahead = steps_ahead(self.engine.config.steps_ahead, d.device)
         self.engine.grammars.bind(d.vocab_size, self.bounds().eos_token_ids)
         self._compute_draining = False
+        self._up_at = time.monotonic()
         self._readmit()
         self._seen = {"preemptions": 0, "queries": 0, "hits": 0}
         metrics.compute_attached.labels(**self.plane_labels).set(1)
@@ -397,7 +415,9 @@ class ComputePlane:
                 misses = 0
                 continue
             alive = await self.client.alive(draining=self._compute_draining)
-            misses = 0 if alive else misses + 1
+            misses = misses + 1 if alive is False else 0
+            if alive:
+                self._seen_up()
             if misses >= 2:
                 self._lost = True
                 self._wake.set()
@@ -486,6 +506,7 @@ class ComputePlane:
                     continue  # plan the next step while those in flight run
             result = await self.client.receive()
             t_result = time.time_ns()
+            self._up_at = time.monotonic()
             done = in_flight.popleft()
             was_advanced = advanced.popleft()
             mark = marks.popleft()  # (kept or not)
@@ -623,9 +644,13 @@ class ComputePlane:
         # Each request once per failure, whichever of the steps in flight hold it.
         reqs = {req: None for out in self._in_flight for req, _ in out.scheduled()}
         self._forget_in_flight()
+        now = time.monotonic()
         for req in reqs:
             rid = req.request_id
-            count = self._suspects[rid] = self._suspects.get(rid, 0) + 1
+            suspect = self._suspects.setdefault(rid, Suspect(0, now))
+            suspect.failures += 1
+            suspect.lost_at = now
+            count = suspect.failures
             if (
                 count >= MAX_COMPUTE_FAILURES
                 and (entry := self.engine.choices.get(rid)) is not None
@@ -641,6 +666,18 @@ class ComputePlane:
                     "request; it is not retried"
                 )
                 self.engine._fail_stream(entry[0], RequestFailed("INTERNAL", message))
+
+    def _seen_up(self) -> None:
+        """The compute plane answered a health check: a held suspect may go on trial."""
+        self._up_at = time.monotonic()
+        if self._held and self.scheduler is not None:
+            self._next_suspect()
+
+    def _may_try(self, request_id: str) -> bool:
+        """Whether a suspect may go on trial here: this plane was seen up long enough
+        after the suspect was lost not to be part of the same outage."""
+        suspect = self._suspects.get(request_id)
+        return suspect is None or self._up_at > suspect.lost_at + SAME_OUTAGE_SECONDS
 
     def _clear_suspects(self, out: SchedulerOutput) -> None:
         """A step ran: its requests are no longer suspects (the count is "in a row")."""
@@ -771,7 +808,7 @@ class ComputePlane:
         on_trial = False
         for req, parent in parked:
             if req.request_id in self._suspects:
-                if on_trial:
+                if on_trial or not self._may_try(req.request_id):
                     self._held.append((req, parent))
                     continue
                 on_trial = True
@@ -797,12 +834,16 @@ class ComputePlane:
             self.engine._fail_stream(entry[0], e)
 
     def _next_suspect(self) -> None:
-        """The suspect on trial ran a step or ended: queue the next one."""
+        """The suspect on trial ran a step or ended, or the plane was seen up: queue the
+        next one (once the plane may try it)."""
         held = {r.request_id for r, _ in self._held}
         if any(rid in self.engine.choices and rid not in held for rid in self._suspects):
             return  # one is still on trial
         while self._held:
-            req, parent = self._held.pop(0)
+            req, parent = self._held[0]
+            if req.request_id in self.engine.choices and not self._may_try(req.request_id):
+                return  # until the plane is seen up after the outage that lost it
+            self._held.pop(0)
             if req.request_id in self.engine.choices:
                 self._queue_again(req, parent)
                 self._wake.set()

@@ -17,6 +17,7 @@ from control_plane.compute_client import ComputeLinkError, InProcessLink
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine, RequestFailed
 from control_plane.tokenizer import load_tokenizer
+from hetero_common.accumulate import Accumulated
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 from tests.control.streams import stream_tokens
@@ -125,3 +126,103 @@ def test_a_step_loop_that_fails_fails_its_requests_and_starts_afresh(
         assert "the control plane failed while running this request" in str(error)
     assert again == clean and len(clean) == 8
     assert "the step loop failed" in caplog.text
+
+
+class _Plane(InProcessLink):
+    """An in-process compute plane that is down (its steps fail, health checks say so,
+    attaching fails) while its address is in `down`."""
+
+    def __init__(self, address: str, engine: Engine, down: set[str], crashes: list[str]) -> None:
+        def answer(step: cpb.StepRequest) -> cpb.StepResult:
+            if address in down:
+                raise ComputeLinkError(f"{address} died")
+            if any(n.request_id.startswith("poison") for n in step.new_requests):
+                crashes.append(address)
+                raise ComputeLinkError(f"{address} died")  # (and comes back)
+            return engine.step(step)
+
+        def describe() -> cpb.DescribeResponse:
+            if address in down:
+                raise ComputeLinkError(f"{address} is down")
+            engine.reset()
+            return engine.describe()
+
+        super().__init__(describe, answer)
+        self.address = address  # type: ignore[misc]
+        self._down = down
+
+    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
+        return self.address not in self._down
+
+
+async def _two_planes(path: Path, down: set[str], crashes: list[str]) -> ControlEngine:
+    """A control engine driving two in-process compute planes, attached."""
+    config = ControlConfig(model=str(path), metrics_port=-1, compute_timeout=60)
+    control = ControlEngine(config, load_tokenizer(path))
+    for address in ("a:1", "b:1"):
+        engine = Engine(
+            ComputeConfig(model=str(path), kv_cache_bytes=16 << 20, metrics_port=-1),
+            load_model(path, progress=False),
+        )
+        control._add_plane(_Plane(address, engine, down, crashes))
+    for plane in control.planes.values():
+        await asyncio.wait_for(plane.attached.wait(), 30)
+    return control
+
+
+@pytest.mark.timeout(300)
+def test_a_request_lost_with_two_planes_in_one_outage_is_not_failed(smollm2_path: Path) -> None:
+    """Both compute planes die at the same moment, one idle, the other running a request:
+    the request moves to the idle one, already dead too. That is one outage, not a request
+    that crashed two planes: once they are back it finishes with the tokens it gets when
+    nothing fails (it was failed: 'the compute plane failed 2 times in a row')."""
+
+    async def run() -> tuple[list[int] | BaseException, list[int] | BaseException]:
+        down: set[str] = set()
+        control = await _two_planes(smollm2_path, down, [])
+        try:
+            clean = await stream_tokens(control.submit(PROMPTS["a"], PARAMS))
+            stream = control.submit(PROMPTS["a"], PARAMS)
+            acc = Accumulated()
+            acc.add(first := await stream.queue.get())  # running: its first token is out
+            assert not isinstance(first, BaseException), first
+            down.update(control.planes)  # both at once
+            await asyncio.sleep(1.5)  # both noticed (the idle one by its health checks)
+            down.clear()
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    return clean, item
+                if acc.add(item):
+                    return clean, acc.choice(0).token_ids
+        finally:
+            await control.stop()
+
+    clean, got = asyncio.run(asyncio.wait_for(run(), 120))
+    assert not isinstance(got, BaseException), got
+    assert got == clean
+
+
+@pytest.mark.timeout(300)
+def test_a_request_that_crashes_each_of_two_planes_is_failed(smollm2_path: Path) -> None:
+    """A request that crashes whichever compute plane computes it, with two: it moves to
+    the other after the first crash and is failed after the second; a request running
+    meanwhile finishes with its tokens."""
+
+    async def run() -> tuple[list[int] | BaseException, list[int] | BaseException, list[str]]:
+        crashes: list[str] = []
+        control = await _two_planes(smollm2_path, set(), crashes)
+        try:
+            clean = await stream_tokens(control.submit(PROMPTS["b"], PARAMS))
+            other = control.submit(PROMPTS["b"], PARAMS)
+            poison = control.submit(POISON, PARAMS, request_id="poison")
+            failed = await stream_tokens(poison, errors=True)
+            got = await stream_tokens(other, errors=True)
+            assert got == clean, (got, clean)
+            return failed, got, crashes
+        finally:
+            await control.stop()
+
+    failed, _, crashes = asyncio.run(asyncio.wait_for(run(), 120))
+    assert isinstance(failed, RequestFailed) and "2 times in a row" in str(failed), failed
+    assert sorted(crashes) == ["a:1", "b:1"], crashes
