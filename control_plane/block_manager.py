@@ -75,7 +75,8 @@ class BlockManager:
         return req.num_computed_tokens < len(self._tables[req.request_id]) * self.block_size
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admission's prefix-cache lookup (once per request, not per resume)."""
+        """Count a request's prefix-cache lookup at its first admission (not again when it
+        is re-admitted after preemption, nor when it skipped the lookup)."""
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
 

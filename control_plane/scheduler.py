@@ -325,7 +325,12 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit
-                bm.record_prefix_lookup(req.num_prompt_tokens, hit)
+                # A request that skipped the lookup (prompt logprobs; caching off) is no
+                # query of the cache: counted, its 0 hits would lower the hit rate (vLLM
+                # counts it in neither). A re-admission after preemption is no new query
+                # either (as vLLM's exported counters): it would mostly find its own blocks.
+                if bm.pool.enable_caching and not req.skip_prefix_cache:
+                    bm.record_prefix_lookup(req.num_prompt_tokens, hit)
             req.status = Status.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()

@@ -319,3 +319,28 @@ def test_a_sliding_window_gives_back_blocks_instead_of_preempting(window: int | 
                 assert seen.setdefault(b, req.request_id) == req.request_id, f"block {b}"
     assert all(r.num_output_tokens == 20 for r in reqs)
     assert (sched.num_preemptions > 0) == (window is None)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_cache_queries_count_lookups_once_per_request(caching: bool) -> None:
+    """hetero_prefix_cache_queries/hits (as vLLM's prefix_cache_queries/hits): a request's
+    prompt tokens at its first admission and the cached ones it found. A request that
+    skips the lookup (prompt logprobs) or a pool without caching is no query (it counted
+    as a query with no hit, lowering the hit rate), and a preempted request re-admitted
+    is not counted again (it mostly finds its own blocks)."""
+    sched = Scheduler(num_blocks=7, block_size=BS, max_model_len=24, enable_prefix_caching=caching)
+    prompt = list(range(1, 10))  # 2 full blocks + 1 token
+    compute = FakeCompute(random.Random(0))
+    _run(sched, [Request("a", prompt, max_tokens=1, ignore_eos=True)], seed=0, compute=compute)
+    kv = sched.block_manager.stats()
+    assert (kv.prefix_queries, kv.prefix_hits) == ((9, 0) if caching else (0, 0))
+    skip = Request("s", prompt, max_tokens=1, ignore_eos=True, skip_prefix_cache=True)
+    _run(sched, [skip], seed=0, compute=compute)
+    after = sched.block_manager.stats()
+    assert (after.prefix_queries, after.prefix_hits) == (kv.prefix_queries, kv.prefix_hits)
+    # Two requests that outgrow the pool: one is preempted and re-admitted, counted once.
+    reqs = [Request(r, prompt, max_tokens=12, ignore_eos=True) for r in ("b", "c")]
+    _run(sched, reqs, seed=0, compute=compute)
+    assert sched.num_preemptions > 0
+    kv = sched.block_manager.stats()
+    assert (kv.prefix_queries, kv.prefix_hits) == ((27, 16) if caching else (0, 0))
