@@ -323,6 +323,11 @@ class Engine:
             o: metrics.steps.labels(overlapped=str(o).lower(), **m) for o in (False, True)
         }
         metrics.device_memory_used.labels(**m).set(held)
+        # Counters read 0 from the start: a series that appears at 1 loses its first
+        # event to rate() and increase() (an alert on resets would miss the first).
+        metrics.engine_resets.labels(**m)
+        for code in ("INVALID_ARGUMENT", "INTERNAL"):
+            metrics.failed_requests.labels(code=code, **m)
 
     def _blocks_in_use(self) -> int:
         tables = [

@@ -108,6 +108,11 @@ class ControlEngine:
         self.unfit_at_start = asyncio.Event()
         self.unfit: str = ""
         self.labels = {"model_name": model_name}
+        # Counters read 0 from the start (a series that appears at 1 loses its first
+        # event to rate() and increase()); the per-compute ones are bound by each plane.
+        metrics.prompt_tokens.labels(**self.labels)
+        for reason in (*(s.value for s in Status if s.finished), "error"):
+            metrics.request_success.labels(finished_reason=reason, **self.labels)
         self.draining = False  # this process is shutting down: refuse new requests
         self._link = link
         self.planes: dict[str, ComputePlane] = {}  # by address, in the order they joined

@@ -91,6 +91,11 @@ class _LoopMetrics:
         self.running = metrics.requests_running.labels(**plane_labels)
         self.waiting = metrics.requests_waiting.labels(**plane_labels)
         self.kv_usage = metrics.kv_cache_usage.labels(**plane_labels)
+        # (bound here, so that they read 0 from the start: a series that appears at 1
+        # loses its first event to rate() and increase())
+        self.preemptions = metrics.preemptions.labels(**plane_labels)
+        self.prefix_queries = metrics.prefix_queries.labels(**plane_labels)
+        self.prefix_hits = metrics.prefix_hits.labels(**plane_labels)
         self.spec_drafts = metrics.spec_drafts.labels(**labels)
         self.spec_draft_tokens = metrics.spec_draft_tokens.labels(**labels)
         self.spec_accepted = metrics.spec_accepted_tokens.labels(**labels)
@@ -693,19 +698,18 @@ class ComputePlane:
         sched = self.scheduler
         if sched is None:
             return
-        m = self.plane_labels
         st = sched.make_stats()
         lm = self._loop_metrics
         lm.running.set(st.num_running)
         lm.waiting.set(st.num_waiting)
         lm.kv_usage.set(st.kv.usage)
         for key, now, counter in (
-            ("preemptions", st.num_preemptions, metrics.preemptions),
-            ("queries", st.kv.prefix_queries, metrics.prefix_queries),
-            ("hits", st.kv.prefix_hits, metrics.prefix_hits),
+            ("preemptions", st.num_preemptions, lm.preemptions),
+            ("queries", st.kv.prefix_queries, lm.prefix_queries),
+            ("hits", st.kv.prefix_hits, lm.prefix_hits),
         ):
             if now > self._seen[key]:
-                counter.labels(**m).inc(now - self._seen[key])
+                counter.inc(now - self._seen[key])
                 self._seen[key] = now
 
     def _to_step(self, out: SchedulerOutput) -> cpb.StepRequest:

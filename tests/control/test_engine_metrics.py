@@ -62,3 +62,49 @@ def test_a_refused_request_is_not_counted_as_routed(smollm2_path: Path) -> None:
             await control.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_counters_read_zero_before_their_first_event(smollm2_path: Path, tmp_path: Path) -> None:
+    """Counters whose labels are known exist at 0 from the start (a series that appears
+    at 1 loses its first event to rate() and increase(): the first preemption, reset or
+    failed request, and a hit rate with no hit yet read 'no data')."""
+    from tests.conftest import make_tiny_model
+
+    tiny = tmp_path / "zero-start-tiny"
+    make_tiny_model("llama", tiny)
+    compute = Engine(
+        ComputeConfig(model=str(tiny), kv_cache_bytes=4 << 20, metrics_port=-1),
+        load_model(tiny, progress=False),
+    )
+    m = compute.metric_labels
+    assert REGISTRY.get_sample_value("hetero_compute_engine_resets_total", m) == 0
+    for code in ("INVALID_ARGUMENT", "INTERNAL"):
+        labels = {"code": code, **m}
+        assert REGISTRY.get_sample_value("hetero_compute_failed_requests_total", labels) == 0
+
+    async def main() -> None:
+        engine = Engine(
+            ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
+            load_model(smollm2_path, progress=False),
+        )
+        link = InProcessLink(engine.describe, engine.step, on_attach=engine.reset)
+        config = ControlConfig(model=str(smollm2_path), metrics_port=-1)
+        control = ControlEngine(config, load_tokenizer(smollm2_path), link, "zero-start")
+        await control.start()
+        try:
+            await control.attached.wait()
+            labels = {"model_name": "zero-start"}
+            assert REGISTRY.get_sample_value("hetero_prompt_tokens_total", labels) == 0
+            for reason in ("stop", "length", "abort", "grammar", "error"):
+                value = REGISTRY.get_sample_value(
+                    "hetero_request_success_total", {"finished_reason": reason, **labels}
+                )
+                assert value == 0, reason
+            labels["compute"] = link.address
+            for name in ("preemptions", "prefix_cache_queries", "prefix_cache_hits"):
+                assert REGISTRY.get_sample_value(f"hetero_{name}_total", labels) == 0, name
+        finally:
+            await control.stop()
+
+    asyncio.run(main())
