@@ -370,6 +370,8 @@ class ControlEngine:
             touched[target.address] = target
         for target in touched.values():
             target._readmit()
+            target._observe_pool()
+        src._observe_pool()
         log.info(
             "moved %d requests from compute plane %s to %s",
             len(streams),

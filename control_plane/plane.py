@@ -409,6 +409,7 @@ class ComputePlane:
         self._lost = False
         metrics.compute_attached.labels(**self.plane_labels).set(0)
         self._park()
+        self._observe_pool()
         self.engine.plane_detached(self)
 
     async def _watch(self, interval: float = 0.5) -> None:
@@ -694,14 +695,20 @@ class ComputePlane:
             self._next_suspect()
 
     def _observe_pool(self) -> None:
-        """Gauges and the counters the scheduler keeps, pushed to Prometheus."""
+        """Gauges and the counters the scheduler keeps, pushed to Prometheus. Without a
+        compute plane nothing runs: the requests kept for it wait (moved, they count on
+        the plane that took them)."""
         sched = self.scheduler
+        lm = self._loop_metrics
+        set_aside = len(self._parked) + len(self._held)
         if sched is None:
+            lm.running.set(0)
+            lm.waiting.set(set_aside)
+            lm.kv_usage.set(0)
             return
         st = sched.make_stats()
-        lm = self._loop_metrics
         lm.running.set(st.num_running)
-        lm.waiting.set(st.num_waiting)
+        lm.waiting.set(st.num_waiting + set_aside)
         lm.kv_usage.set(st.kv.usage)
         for key, now, counter in (
             ("preemptions", st.num_preemptions, lm.preemptions),
@@ -870,6 +877,4 @@ class ComputePlane:
         for stream in streams.values():
             self.engine._fail_stream(stream, failure)
         self.scheduler = None
-        lm = self._loop_metrics
-        for gauge in (lm.running, lm.waiting, lm.kv_usage):
-            gauge.set(0)
+        self._observe_pool()

@@ -17,6 +17,7 @@ from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.scheduler import AdmissionError, QueueFullError
 from control_plane.tokenizer import load_tokenizer
+from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
 from tests.control.streams import stream_tokens
 
@@ -104,6 +105,46 @@ def test_counters_read_zero_before_their_first_event(smollm2_path: Path, tmp_pat
             labels["compute"] = link.address
             for name in ("preemptions", "prefix_cache_queries", "prefix_cache_hits"):
                 assert REGISTRY.get_sample_value(f"hetero_{name}_total", labels) == 0, name
+        finally:
+            await control.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_compute_planes_gauges_count_nothing_running(smollm2_path: Path) -> None:
+    """A compute plane fails and its running request moves to the other: the failed one's
+    running/waiting/KV gauges read 0 (they kept their last values, so a sum over the
+    planes counted the moved request twice for as long as the plane stayed away)."""
+    from tests.control.test_quarantine import _two_planes
+
+    long = pb.GenerationParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+
+    def gauge(name: str, address: str) -> float | None:
+        labels = {"compute": address, "model_name": "unknown"}
+        return REGISTRY.get_sample_value(f"hetero_{name}", labels)
+
+    async def main() -> None:
+        down: set[str] = set()
+        control = await _two_planes(smollm2_path, down, [])
+        try:
+            stream = control.submit([504, 3458, 281], long)
+            failed = next(a for a, p in control.planes.items() if p.load)
+            link = control.planes[failed].client
+            answer = link._answer  # type: ignore[attr-defined]
+            seen: list[float | None] = []
+
+            def dies_at_its_fifth_step(step: cpb.StepRequest) -> cpb.StepResult:
+                seen.append(gauge("requests_running", failed))
+                if len(seen) == 5:
+                    down.add(failed)
+                return answer(step)  # type: ignore[no-any-return]
+
+            link._answer = dies_at_its_fifth_step  # type: ignore[attr-defined]
+            assert isinstance(await stream_tokens(stream), list)  # finished on the other
+            for name in ("requests_running", "requests_waiting", "kv_cache_usage_ratio"):
+                assert gauge(name, failed) == 0, name
+            assert seen[-1] == 1  # (before it failed)
         finally:
             await control.stop()
 
