@@ -42,6 +42,7 @@ from compute_plane.device import use_device
 from compute_plane.engine import Engine, Launched
 from compute_plane.requests import StepRejected
 from hetero_common.grpc_server import GrpcPlane
+from hetero_common.limits import LINK_MAX_MESSAGE_BYTES
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 
@@ -297,7 +298,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
 
 async def serve(config: ComputeConfig) -> None:
     """Listen, load the model, mark SERVING, and run until SIGINT/SIGTERM; then drain."""
-    plane = GrpcPlane(config, SERVICE_NAME)
+    plane = GrpcPlane(config, SERVICE_NAME, max_receive_bytes=LINK_MAX_MESSAGE_BYTES)
     servicer = ComputeServicer()
     pb_grpc.add_ComputePlaneServicer_to_server(servicer, plane.server)
     await plane.health.set(False)

@@ -15,6 +15,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hetero_common.limits import LINK_MAX_MESSAGE_BYTES
 from hetero_common.tls import ClientTLS
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
@@ -80,10 +81,14 @@ class ComputeClient:
         compute plane's certificate against it."""
         self.address = address
         tls = tls or ClientTLS()
-        options = []
+        # A step's result may pass gRPC's default 4 MiB (prompt logprobs of a long
+        # prefill): past it the Run stream would end (LINK_MAX_MESSAGE_BYTES).
+        options: list[tuple[str, object]] = [
+            ("grpc.max_receive_message_length", LINK_MAX_MESSAGE_BYTES)
+        ]
         if tls.enabled and server_name and server_name != address.rpartition(":")[0]:
             options.append(("grpc.ssl_target_name_override", server_name))
-        self.channel = tls.aio_channel(address, options or None)
+        self.channel = tls.aio_channel(address, options)
         self.stub = pb_grpc.ComputePlaneStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._run: grpc.aio.StreamStreamCall | None = None

@@ -31,7 +31,8 @@ class GrpcPlane:
     def __init__(
         self, config: GrpcServerConfig, service: str, max_receive_bytes: int | None = None
     ) -> None:
-        """`max_receive_bytes`: the largest message the server reads (None: grpc's 4 MiB)."""
+        """`max_receive_bytes`: the largest message the server reads (None: grpc's 4 MiB,
+        -1: any)."""
         self.config = config
         self.address = f"{config.host}:{config.port}"
         options = (

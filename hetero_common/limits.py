@@ -19,3 +19,12 @@ MAX_GRPC_MESSAGE_BYTES = 4 << 20
 # limits is read and refused alone (its RequestError); one past this ends the whole call,
 # as gRPC must end a call whose message it will not read.
 MAX_RECEIVE_BYTES = 4 * MAX_GRPC_MESSAGE_BYTES
+# The link between a control plane and its compute planes reads messages of any size
+# (gRPC's -1; protobuf's own 2 GiB remains). What one step carries is bounded by the
+# configuration, not by the client: new requests in full (every known token id, up to
+# max_num_seqs x max_model_len ids), a grammar mask per constrained request (up to a
+# vocabulary's bits each), prompt logprobs of up to max_num_batched_tokens positions with
+# up to MAX_TOP_LOGPROBS alternatives each. 256 requests admitted in one step on a cached
+# 8000-token prefix are a 6 MB step: past gRPC's default 4 MiB it ended the Run stream,
+# and the control plane took the compute plane for lost.
+LINK_MAX_MESSAGE_BYTES = -1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import queue
 import time
@@ -11,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from control_plane.compute_client import sampled_tokens
+from control_plane.compute_client import ComputeClient, sampled_tokens
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
 from tests.compute.step_driver import StepDriver
@@ -263,3 +264,42 @@ def test_one_control_plane_drives_it_at_a_time(stub, address) -> None:  # type: 
         taken = RunStream(rival)
         assert taken.send(pb.StepRequest(step_id=2)).step_id == 2
         taken.close()
+
+
+def test_a_step_past_grpcs_default_4_mib_goes_through() -> None:
+    """A step carries each new request's every known token: many long requests admitted
+    at once (on a cached prefix, each computing a token or a few) pass gRPC's default 4 MiB
+    receive limit. The link reads any size: the step runs (it ended the Run stream with
+    RESOURCE_EXHAUSTED, and the control plane took the compute plane for lost)."""
+
+    async def main(address: str) -> tuple[pb.StepResult, int]:
+        client = ComputeClient(address)
+        try:
+            d = await client.attach()
+            # Each request: max_model_len - 1 known ids of 3 bytes each on the wire, one
+            # token computed now (a chunk of its prompt: nothing sampled), in one block.
+            ids = [16384 + i % (d.vocab_size - 16384) for i in range(d.max_model_len - 1)]
+            n = (5 << 20) // (3 * len(ids)) + 1
+            step = pb.StepRequest(step_id=1)
+            for i in range(n):
+                step.new_requests.add(
+                    request_id=f"r{i}",
+                    token_ids=ids,
+                    num_prompt_tokens=len(ids),
+                    num_scheduled_tokens=1,
+                    block_ids=[1 + i % (d.num_kv_blocks - 1)],
+                )
+            assert step.ByteSize() > 5 << 20
+            await client.send(step)
+            result = await client.receive()
+            await client.send(pb.StepRequest(step_id=2, finished_ids=[f"r{i}" for i in range(n)]))
+            await client.receive()
+            return result, n
+        finally:
+            await client.close()
+
+    # A pool of the whole context (8192 tokens): fewer, longer requests make the size.
+    with compute_plane("--kv-cache-bytes", str(8300 * 46080)) as address:
+        result, n = asyncio.run(main(address))
+    assert result.step_id == 1 and result.num_seqs == n and not result.failed
+    assert len(result.sampled_ids) == 0
