@@ -55,7 +55,16 @@ class ComputeLink(Protocol):
     # process); unset --async-scheduling plans ahead only over such a link
     concurrent: bool
 
-    async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse: ...
+    async def attach(
+        self,
+        timeout: float = 10.0,
+        check: Callable[[pb.DescribeResponse], object] | None = None,
+    ) -> pb.DescribeResponse:
+        """Describe the compute plane, drop any state it holds, and open the step stream.
+        `check` sees the description first: when it raises, the compute plane is left as
+        it was (not reset, no stream opened: free for another control plane)."""
+        ...
+
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool | None:
         """True: it answered, up; False: it is down; None: no answer in time."""
         ...
@@ -93,10 +102,15 @@ class ComputeClient:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._run: grpc.aio.StreamStreamCall | None = None
 
-    async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse:
-        """Describe the compute plane, drop any state it holds, and open the step stream."""
+    async def attach(
+        self,
+        timeout: float = 10.0,
+        check: Callable[[pb.DescribeResponse], object] | None = None,
+    ) -> pb.DescribeResponse:
         with self._link_errors():
             description = await self.stub.Describe(pb.DescribeRequest(), timeout=timeout)
+            if check is not None:
+                check(description)
             await self.stub.Reset(pb.ResetRequest(), timeout=timeout)
         if self._run is not None:
             self._run.cancel()
@@ -190,11 +204,18 @@ class InProcessLink:
         # (up to 1 + steps_ahead with async scheduling)
         self._sent: deque[pb.StepRequest] = deque()
 
-    async def attach(self, timeout: float = 10.0) -> pb.DescribeResponse:
+    async def attach(
+        self,
+        timeout: float = 10.0,
+        check: Callable[[pb.DescribeResponse], object] | None = None,
+    ) -> pb.DescribeResponse:
+        description = self._describe()
+        if check is not None:
+            check(description)
         self._sent.clear()  # (as a new Run stream: the old one's steps went with it)
         if self._on_attach is not None:
             self._on_attach()
-        return self._describe()
+        return description
 
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
         return True

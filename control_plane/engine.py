@@ -18,7 +18,7 @@ import uuid
 
 from control_plane import metrics
 from control_plane.block_pool import BlockHash, chain_hash
-from control_plane.compute_client import ComputeClient, ComputeLink, ComputeLinkError
+from control_plane.compute_client import ComputeClient, ComputeLink
 from control_plane.config import ControlConfig
 from control_plane.grammar import GrammarError, Grammars
 from control_plane.input_processor import InputProcessor
@@ -28,6 +28,7 @@ from control_plane.plane import (
     MAX_COMPUTE_FAILURES,
     ComputePlane,
     ComputeUnavailable,
+    PlaneUnfit,
     RequestFailed,
 )
 from control_plane.request import Request, Status
@@ -221,15 +222,16 @@ class ControlEngine:
         self.plane_detached(plane)
 
     def check_same_model(self, plane: ComputePlane, d: cpb.DescribeResponse) -> None:
-        """Every compute plane must serve the same model (same vocabulary at least)."""
+        """Every compute plane must serve the same model (same vocabulary at least):
+        PlaneUnfit for one that serves another than the compute planes attached."""
         for other in self.planes.values():
             od = other.description
             if other is not plane and other.attached.is_set() and od is not None:
                 if (od.model_name, od.vocab_size) != (d.model_name, d.vocab_size):
-                    raise ComputeLinkError(
+                    raise PlaneUnfit(
                         f"compute plane {plane.address} serves {d.model_name} "
                         f"(vocabulary {d.vocab_size}), not {od.model_name} "
-                        f"(vocabulary {od.vocab_size}) like {other.address}"
+                        f"(vocabulary {od.vocab_size}) as compute plane {other.address} does"
                     )
                 return
 

@@ -22,7 +22,7 @@ import grpc
 import httpx
 import pytest
 
-from hetero_infer.local import child, free_port, wait_http_ready
+from hetero_infer.local import child, free_port, stop_process, wait_http_ready, wait_serving
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import compute_pb2_grpc as cpb_grpc
 from hetero_proto import control_pb2 as pb
@@ -360,3 +360,51 @@ def test_serve_starts_several_compute_planes() -> None:
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path: Path) -> None:
+    """Two compute planes serving different models behind one control plane: the one met
+    second is not attached, one ERROR line names both models, and it is left free (no step
+    stream open), so a control plane of its own model drives it. The refusal was never
+    logged, and each try (every 2 s) opened a step stream, so the plane stayed taken: a
+    second control plane was refused it for ever."""
+    cport, cmetrics, cport2, cmetrics2 = (free_port() for _ in range(4))
+    control, control2 = f"127.0.0.1:{cport}", f"127.0.0.1:{cport2}"
+    smol_port, gemma_port = free_port(), free_port()
+    smol, gemma = f"127.0.0.1:{smol_port}", f"127.0.0.1:{gemma_port}"
+    log = tmp_path / "control.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_infer.cli",
+        *_control_cmd(cport, cmetrics, f"{smol},{gemma}"),
+    ]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(child(_compute_cmd(smol_port), smol))
+        out = stack.enter_context(log.open("wb"))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+        stack.callback(stop_process, proc)
+        wait_serving(control, proc)
+        # (started after the control plane attached SmolLM2: met second)
+        stack.enter_context(child([*_compute_cmd(gemma_port), "--model", "gemma3"], gemma))
+        deadline = time.monotonic() + 60
+        while " ERROR " not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        url2 = f"http://127.0.0.1:{cmetrics2}/metrics"
+        cmd2 = _control_cmd(cport2, cmetrics2, gemma, "--model", "gemma3")
+        stack.enter_context(child(cmd2, control2))
+        deadline = time.monotonic() + 30
+        while _metric(url2, "hetero_compute_attached", compute=gemma) != 1:
+            assert time.monotonic() < deadline, "the refused compute plane was not left free"
+            time.sleep(0.2)
+        errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
+        assert len(errors) == 1, errors
+        assert f"compute plane {gemma} not attached: " in errors[0], errors[0]
+        assert "serves Gemma 3 270m (vocabulary 262144), not Smollm2" in errors[0], errors[0]
+        assert f"as compute plane {smol} does" in errors[0], errors[0]
+        url = f"http://127.0.0.1:{cmetrics}/metrics"
+        assert _metric(url, "hetero_compute_attached", compute=smol) == 1
+        assert _metric(url, "hetero_compute_attached", compute=gemma) == 0
+        with grpc.insecure_channel(control) as ch:  # the first control plane still serves
+            assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
