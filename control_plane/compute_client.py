@@ -74,6 +74,12 @@ class ComputeLink(Protocol):
         ...
 
     async def receive(self) -> pb.StepResult: ...
+    async def ended(self) -> ComputeLinkError:
+        """Returns (not raises) why, once the step stream `attach` opened ends by itself
+        (the compute plane stopped or died); never for a stream this side ended, nor for
+        a link without a stream."""
+        ...
+
     async def detach(self) -> None:
         """End the step stream `attach` opened (the compute plane is then free for
         another control plane); `attach` may be called again."""
@@ -101,6 +107,7 @@ class ComputeClient:
         self.stub = pb_grpc.ComputePlaneStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self._run: grpc.aio.StreamStreamCall | None = None
+        self._run_ended = asyncio.Event()  # set when the call `_run` is done
 
     async def attach(
         self,
@@ -114,7 +121,9 @@ class ComputeClient:
             await self.stub.Reset(pb.ResetRequest(), timeout=timeout)
         if self._run is not None:
             self._run.cancel()
-        self._run = self.stub.Run()
+        self._run = run = self.stub.Run()
+        self._run_ended = ended = asyncio.Event()
+        run.add_done_callback(lambda _: ended.set())
         return description
 
     async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool | None:
@@ -142,11 +151,7 @@ class ComputeClient:
                 # The stream ended while nothing was in flight (the compute plane died
                 # while idle): grpc refuses the write without its status, which is the
                 # link's failure as any other (else the step loop died with it).
-                code = await self._run.code()
-                details = await self._run.details()
-                raise ComputeLinkError(
-                    f"compute plane {self.address}: {code.name}: {details}", code.name
-                ) from e
+                raise await self._status(self._run) from e
 
     async def receive(self) -> pb.StepResult:
         """The result of the step sent last."""
@@ -159,6 +164,20 @@ class ComputeClient:
         if result.HasField("error"):
             raise StepFailed(result.error)
         return result
+
+    async def ended(self) -> ComputeLinkError:
+        run = self._run
+        assert run is not None, "attach() first"
+        await self._run_ended.wait()  # (an Event: cancelling this wait leaves the call be)
+        if run is not self._run:  # (ended by this side: detach, or attach again)
+            await asyncio.Future()
+        return await self._status(run)
+
+    async def _status(self, run: grpc.aio.StreamStreamCall) -> ComputeLinkError:
+        """The error of an ended step stream, naming the compute plane."""
+        code = await run.code()
+        details = await run.details()
+        return ComputeLinkError(f"compute plane {self.address}: {code.name}: {details}", code.name)
 
     @contextlib.contextmanager
     def _link_errors(self) -> Iterator[None]:
@@ -232,6 +251,10 @@ class InProcessLink:
         request = self._sent.popleft()
         result = self._answer(request)
         return pb.StepResult.FromString(result.SerializeToString()) if self._wire else result
+
+    async def ended(self) -> ComputeLinkError:
+        await asyncio.Future()  # (no stream: a step is a call)
+        raise AssertionError("unreachable")
 
     async def detach(self) -> None:
         self._sent.clear()

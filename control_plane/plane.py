@@ -429,6 +429,20 @@ class ComputePlane:
                 self._lost = True
                 self._wake.set()
 
+    async def _idle(self) -> None:
+        """Until woken; ComputeLinkError as soon as the step stream ends by itself (the
+        compute plane stopped, or died on this host: not ~1 s later from two missed
+        health checks)."""
+        wake = asyncio.ensure_future(self._wake.wait())
+        ended = asyncio.ensure_future(self.client.ended())
+        try:
+            await asyncio.wait((wake, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+            ended.cancel()
+        if ended.done() and not ended.cancelled():
+            raise ended.result()
+
     async def _loop(self) -> None:
         """Schedule, send the step, and while it runs turn the previous step's tokens into
         responses (detokenising, stop strings): output processing overlaps the compute
@@ -476,7 +490,7 @@ class ComputePlane:
                     raise _Leave()
                 self._observe_pool()
                 self._wake.clear()
-                await self._wake.wait()
+                await self._idle()
                 continue
             mark = None
             if out is not None:
