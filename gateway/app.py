@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from gateway.auth import require_api_key
-from gateway.bodies import body_schema, document, read_body
+from gateway.bodies import StrictJSONRoute, body_schema, document, read_body
 from gateway.body_limit import BodyLimit
 from gateway.config import GatewayConfig
 from gateway.control_planes import ControlPlanes
@@ -113,6 +113,7 @@ def create_app(config: GatewayConfig, link: ControlLink | None = None) -> FastAP
         description="OpenAI-compatible API",
         lifespan=lifespan,
     )
+    app.router.route_class = StrictJSONRoute  # (no NaN: before any route is added)
     app.state.link = link
     app.add_middleware(InternalErrors)  # first, so innermost: inside the metrics and the id
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, timeout=config.body_timeout)
@@ -235,6 +236,9 @@ async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
     )
     if err.get("type") == "json_invalid":  # its loc is a byte offset, not a field
         reason = (err.get("ctx") or {}).get("error", "")
+        pos = err["loc"][-1]
+        if isinstance(pos, int) and pos > 0:  # (0: not where; too deep, not UTF-8)
+            reason += f" (char {pos})"
         return APIError(400, f"the body is not valid JSON: {reason}".rstrip(": ")).response()
     if tuple(err.get("loc", ())) == ("body",) and err.get("type") == "model_attributes_type":
         # Not an object: JSON of another shape, or a body that was not read as JSON at

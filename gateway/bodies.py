@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import email.message
+import functools
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 from hetero_common.cpus import side_lane
@@ -48,7 +51,7 @@ def _parse(raw: bytes, content_type: str | None, model: type[M]) -> M:
     value: Any = raw
     if _is_json(content_type):
         try:
-            value = json.loads(raw)
+            value = loads(raw)
         except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
             raise _not_json(e) from None
     try:  # (from_attributes: what FastAPI's own validation says of a value of no fields)
@@ -56,6 +59,47 @@ def _parse(raw: bytes, content_type: str | None, model: type[M]) -> M:
     except ValidationError as e:
         errors = [{**x, "loc": ("body", *x["loc"])} for x in e.errors(include_url=False)]
         raise RequestValidationError(errors) from None
+
+
+# A JSON string, or (group 1) a literal Python's json reads that JSON has not.
+_STRING_OR_CONSTANT = re.compile(r'"(?:[^"\\]|\\.)*"|(-?Infinity|NaN)')
+
+
+def loads(text: str | bytes) -> Any:
+    """JSON as the standard has it: json.loads, but NaN, Infinity and -Infinity (which
+    Python reads, and which then reached the control plane as null) are a
+    json.JSONDecodeError at the literal, as any other invalid value."""
+    return json.loads(text, parse_constant=functools.partial(_no_constant, text))
+
+
+def _no_constant(text: str | bytes, literal: str) -> Any:
+    if isinstance(text, bytes):  # (as json.loads decodes it)
+        text = text.decode(json.detect_encoding(text), "surrogatepass")
+    # The document parsed up to here: the first such literal outside a string is it.
+    pos = next((m.start(1) for m in _STRING_OR_CONSTANT.finditer(text) if m.group(1)), 0)
+    raise json.JSONDecodeError(f"{literal} is not a JSON value", text, pos)
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body is read by `loads` (FastAPI reads a route's body model
+    through `Request.json`)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = loads(await self.body())
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    """A route that reads its JSON body with `loads` (FastAPI's route class pattern)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
 
 
 def _not_json(e: Exception) -> RequestValidationError:

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from gateway import tool_calls
+from gateway.bodies import loads
 from gateway.errors import APIError, from_grpc
 from gateway.multiplex import Calls, Item
 from gateway.schemas import (
@@ -111,7 +112,7 @@ def structured_output(req: SamplingFields) -> pb.StructuredOutput | None:
         g = req.guided_json
         if isinstance(g, str):
             try:
-                g = json.loads(g)
+                g = loads(g)
             except json.JSONDecodeError as e:
                 raise APIError(400, f"guided_json is not valid JSON: {e}", param=kind) from None
         return pb.StructuredOutput(json_schema=json.dumps(g))

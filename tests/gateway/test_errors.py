@@ -9,8 +9,9 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.errors import from_code
-from gateway.schemas import ChatCompletionRequest
+from gateway.errors import APIError, from_code
+from gateway.generation import structured_output
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 JSON = {"content-type": "application/json"}
 
@@ -244,3 +245,42 @@ def test_a_control_plane_refusal_names_the_message_it_names(message: str, param:
     """(A chat template's refusal had param null.)"""
     e = from_code("INVALID_ARGUMENT", message)
     assert (e.status, e.param, e.message) == (400, param, message)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "literal", "pos"),
+    [
+        ("/v1/completions", '{"model": "m", "prompt": "NaN", "temperature": NaN}', "NaN", 47),
+        ("/v1/chat/completions", '{"messages": [], "top_p": Infinity}', "Infinity", 26),
+        (
+            "/v1/completions",
+            '{"prompt": "x", "guided_json": {"minimum": -Infinity}}',
+            "-Infinity",
+            43,
+        ),
+        ("/tokenize", '{"prompt": "x", "add_special_tokens": NaN}', "NaN", 38),
+        ("/detokenize", '{"tokens": [1, NaN]}', "NaN", 15),
+    ],
+)
+def test_nan_and_infinity_are_not_json(
+    client: TestClient, route: str, body: str, literal: str, pos: int
+) -> None:
+    """Python's json reads NaN, Infinity and -Infinity; JSON has none: a 400 at the literal
+    (guided_json's {"minimum": NaN} reached the control plane as null: 'Expected f64 for
+    'minimum', got null')."""
+    assert body[pos:].startswith(literal)
+    err = _error(client.post(route, content=body, headers=JSON), 400)
+    assert (
+        err["message"] == f"the body is not valid JSON: {literal} is not a JSON value (char {pos})"
+    )
+    assert err["param"] is None
+
+
+def test_nan_in_guided_json_text_is_not_json() -> None:
+    req = CompletionRequest(model="m", prompt="x", guided_json='{"minimum": NaN}')
+    with pytest.raises(APIError) as e:
+        structured_output(req)
+    assert e.value.message == (
+        "guided_json is not valid JSON: NaN is not a JSON value: line 1 column 13 (char 12)"
+    )
+    assert e.value.param == "guided_json"
