@@ -225,8 +225,20 @@ class SamplingFields(Strict):
 _TOKEN_KEY = re.compile(r"-?[0-9]{1,10}", re.ASCII)
 
 
+def _batch_prompt(v: J) -> J:
+    """A batch's prompt (text or token ids) is not empty: checked per item, so that the
+    error names it (prompt.1)."""
+    if not v:
+        raise ValueError("a prompt of the batch must not be empty")
+    return v
+
+
+BatchText = Annotated[Text, AfterValidator(_batch_prompt)]
+BatchIds = Annotated[list[TokenId], AfterValidator(_batch_prompt)]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    prompt: Text | list[BatchText] | list[TokenId] | list[BatchIds]
     max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
@@ -235,11 +247,8 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        if not v:  # "" or []
+        if not v:  # "" or [] (a batch's own items: _batch_prompt)
             raise ValueError("prompt must not be empty")
-        batch = isinstance(v, list) and not isinstance(v[0], int)
-        if batch and (i := next((i for i, p in enumerate(v) if not p), None)) is not None:
-            raise ValueError(f"prompt {i} of the batch is empty")
         return v
 
     @field_validator("suffix")

@@ -155,8 +155,10 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             "response_format",
         ),
         ("completions", {"prompt": ""}, "prompt"),
-        ("completions", {"prompt": ["a", ""]}, "prompt"),
-        ("completions", {"prompt": [[1], []]}, "prompt"),
+        # a batch's empty prompt is named by its index, as a refused one is
+        ("completions", {"prompt": ["a", ""]}, "prompt.1"),
+        ("completions", {"prompt": [[1], []]}, "prompt.1"),
+        ("completions", {"prompt": [[1], [2], []]}, "prompt.2"),
         # a system, user or tool turn needs content (OpenAI's rule); null or left out
         ("chat/completions", {"messages": [{"role": "user", "content": None}]},
          "messages.0.content"),
@@ -168,7 +170,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     ids=[
         "bias-superscript", "bias-arabic-indic", "bias-double-minus", "bias-5000-digits",
         "top-logprobs-alone", "schema-without-its-type", "empty-prompt", "empty-in-batch",
-        "empty-ids-in-batch", "user-content-null", "user-content-left-out",
+        "empty-ids-in-batch", "third-empty-ids-in-batch", "user-content-null", "user-content-left-out",
         "tool-content-left-out",
     ],
 )  # fmt: skip
