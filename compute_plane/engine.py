@@ -361,6 +361,7 @@ class Engine:
             attention_backend=self.model.attention.name,
             draft_model=self.drafter.name if self.drafter is not None else "",
             max_speculative_tokens=self.config.max_speculative_tokens,
+            vocab_fingerprint=cfg.vocab_fingerprint,
         )
 
     def drop_requests(self, why: str = "reset") -> None:

@@ -42,6 +42,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""
+    # hetero_common.vocab.fingerprint of the tokenizer's strings (b"": none came with it):
+    # the control plane checks its tokenizer is this model's
+    vocab_fingerprint: bytes = b""
     # Gemma 3. Norm weights are handed over as HF stores them; Gemma's RMSNorm multiplies
     # by (norm_weight_offset + w).
     norm_weight_offset: float = 0.0

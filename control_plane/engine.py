@@ -34,6 +34,7 @@ from control_plane.plane import (
 from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, Scheduler
 from control_plane.tokenizer import TokenizerWrapper
+from hetero_common import vocab
 from hetero_common.discovery import resolve, static_addresses
 from hetero_common.logs import valid_request_id
 from hetero_common.metrics import forget_series
@@ -95,6 +96,9 @@ class ControlEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer)
+        # What a compute plane's model must have (check_model); built here, not in the
+        # event loop at the first attach.
+        self.vocab = tokenizer.vocab_fingerprint
         self.inputs = InputProcessor(tokenizer, self.grammars)
         self.outputs = OutputProcessor(
             config.stream_interval, self._finish_request, self._observe_finished
@@ -221,9 +225,11 @@ class ControlEngine:
         asyncio.get_running_loop().create_task(plane.client.close())
         self.plane_detached(plane)
 
-    def check_same_model(self, plane: ComputePlane, d: cpb.DescribeResponse) -> None:
-        """Every compute plane must serve the same model (same vocabulary at least):
-        PlaneUnfit for one that serves another than the compute planes attached."""
+    def check_model(self, plane: ComputePlane, d: cpb.DescribeResponse) -> None:
+        """PlaneUnfit for a compute plane that serves another model than the compute planes
+        attached, or a model this control plane's tokenizer is not of: their vocabularies
+        differ (hetero_common.vocab; the same model in another form, GGUF or HF folder,
+        quantized or not, has the same)."""
         for other in self.planes.values():
             od = other.description
             if other is not plane and other.attached.is_set() and od is not None:
@@ -233,7 +239,14 @@ class ControlEngine:
                         f"(vocabulary {d.vocab_size}), not {od.model_name} "
                         f"(vocabulary {od.vocab_size}) as compute plane {other.address} does"
                     )
-                return
+                break
+        if vocab.differ(self.vocab, d.vocab_fingerprint):
+            same, compared = vocab.agreement(self.vocab, d.vocab_fingerprint)
+            raise PlaneUnfit(
+                f"--model {self.config.model}: the compute plane at {plane.address} serves "
+                f"{d.model_name}, whose vocabulary is not this tokenizer's ({same} of "
+                f"{compared} blocks of {vocab.BLOCK} token ids agree)"
+            )
 
     @property
     def plane(self) -> ComputePlane | None:

@@ -68,8 +68,9 @@ class RequestFailed(RuntimeError):
 
 class PlaneUnfit(ComputeLinkError):
     """The compute plane cannot serve what this control plane was configured for
-    (speculative decoding it cannot verify or draft) or serves another model than the
-    compute planes attached: it is not attached (its step stream closed, free for another
+    (speculative decoding it cannot verify or draft), serves another model than the
+    compute planes attached, or a model of another vocabulary than this control plane's
+    tokenizer: it is not attached (its step stream closed, free for another
     control plane), one ERROR line says why, and it is tried again."""
 
 
@@ -241,7 +242,7 @@ class ComputePlane:
         return ModelBounds(sched.max_model_len, d.vocab_size if d else 0, frozenset(eos))
 
     async def _attach(self) -> None:
-        d = await self.client.attach(check=lambda d: self.engine.check_same_model(self, d))
+        d = await self.client.attach(check=lambda d: self.engine.check_model(self, d))
         num_blocks = min(d.num_kv_blocks, self.engine.config.max_num_blocks or d.num_kv_blocks)
         max_len = min(d.max_model_len, self.engine.config.max_model_len or d.max_model_len)
         max_len = min(max_len, (num_blocks - 1) * d.block_size)

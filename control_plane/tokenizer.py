@@ -7,13 +7,14 @@ pre-tokenizer splits every digit on its own before GPT-2 byte-level BPE.
 
 from __future__ import annotations
 
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from control_plane.chat_template import render_chat
+from hetero_common import vocab
 from hetero_common.model_path import read_json_object
 
 # `tokenizer.ggml.pre` -> pre-tokenizer split regex (None: GPT-2's own, built into ByteLevel)
@@ -83,6 +84,12 @@ class TokenizerWrapper:
         self._bytes_skipping: list[bytes] | None = None  # built on first use
         # No token spans more bytes than this, so a text of B bytes has >= B / this tokens.
         self.max_token_bytes = max(1, *(len(b) for b in self._bytes))
+
+    @cached_property
+    def vocab_fingerprint(self) -> bytes:
+        """hetero_common.vocab's fingerprint of this vocabulary (a compute plane's model
+        must have the same)."""
+        return vocab.tokenizer_fingerprint(self.tok)
 
     def _token_bytes(self, i: int) -> bytes:
         piece = self.tok.id_to_token(i)

@@ -16,6 +16,7 @@ from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
 from compute_plane.quant import QuantWeight, from_gguf
 from hetero_common.gguf_reader import open_gguf
+from hetero_common.vocab import fingerprint
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _LAYER_NAMES = {
@@ -149,9 +150,10 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
     n_head, hidden = int(meta("attention.head_count")), int(meta("embedding_length"))
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = [_field(reader, f"tokenizer.ggml.{k}") for k in _EOG_KEYS]
-    if tokens is not None and (types := reader.fields.get("tokenizer.ggml.token_type")):
+    strings: list[str] = tokens.contents() if tokens is not None else []
+    if strings and (types := reader.fields.get("tokenizer.ggml.token_type")):
         ends, kinds = set(_TURN_ENDS), types.contents()
-        eos += [i for i, t in enumerate(tokens.contents()) if t in ends and kinds[i] == _CONTROL]
+        eos += [i for i, t in enumerate(strings) if t in ends and kinds[i] == _CONTROL]
     gemma: dict[str, Any] = {}
     if arch == "gemma3":
         n, head_dim = int(meta("block_count")), int(meta("attention.key_length"))
@@ -186,6 +188,7 @@ def read_config(path: Path, reader: GGUFReader) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)),
         name=str(_field(reader, "general.name", path.stem)),
+        vocab_fingerprint=fingerprint(strings),
         **gemma,
     )
 

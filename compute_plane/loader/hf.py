@@ -8,11 +8,13 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from compute_plane.loader import ModelLoadError
 from compute_plane.model_config import ModelConfig, UnsupportedModelError
 from compute_plane.scaled import FP8, ScaledWeight, from_fp8
+from hetero_common import vocab
 from hetero_common.model_path import ModelFileError, read_json_object
 
 # HF `architectures` entry -> (our architecture, q/k/v bias unless config says, per-head q/k norm)
@@ -170,6 +172,7 @@ def _model_config(folder: Path, cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(folder, cfg),
         name=folder.name,
+        vocab_fingerprint=_vocab_fingerprint(folder),
         **gemma,
     )
 
@@ -241,6 +244,19 @@ def _rope(
     scaling.pop("rope_theta", None)
     rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
     return theta, None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+
+
+def _vocab_fingerprint(folder: Path) -> bytes:
+    """The fingerprint of the folder's tokenizer.json; b"" without one, or with one the
+    tokenizers library cannot read (the compute plane does not tokenize: not its error)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return b""
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception:  # tokenizers raises a bare Exception for a bad file
+        return b""
+    return vocab.tokenizer_fingerprint(tok)
 
 
 def _eos_ids(folder: Path, cfg: dict[str, Any]) -> tuple[int, ...]:

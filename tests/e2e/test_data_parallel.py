@@ -408,3 +408,56 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
         assert _metric(url, "hetero_compute_attached", compute=gemma) == 0
         with grpc.insecure_channel(control) as ch:  # the first control plane still serves
             assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
+
+
+def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
+    tmp_path: Path, hf_smollm2_tokenizer: object
+) -> None:
+    """A control plane tokenises for its own --model and a compute plane must serve a model
+    of that vocabulary. Here the control plane's tokenizer is the bundled model's in HF
+    form (a tokenizer.json) and its compute plane serves the GGUF: the same model, another
+    name, attached. The compute plane then comes back at its address serving Gemma 3 (a
+    rollout that upgraded the compute pods first): not attached, one ERROR line, and left
+    free for a Gemma 3 control plane. It was attached and fed SmolLM2's token ids to
+    Gemma's weights: gibberish, silently."""
+    folder = tmp_path / "smollm2-hf"
+    hf_smollm2_tokenizer.save_pretrained(folder)  # type: ignore[attr-defined]
+    cport, cmetrics, cport2, cmetrics2, kport = (free_port() for _ in range(5))
+    control, control2, compute = (f"127.0.0.1:{p}" for p in (cport, cport2, kport))
+    log = tmp_path / "control.log"
+    url = f"http://127.0.0.1:{cmetrics}/metrics"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_infer.cli",
+        *_control_cmd(cport, cmetrics, compute, "--model", str(folder)),
+    ]
+    with contextlib.ExitStack() as stack:
+        with child(_compute_cmd(kport), compute):
+            out = stack.enter_context(log.open("wb"))
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+            stack.callback(stop_process, proc)
+            wait_serving(control, proc)
+            with grpc.insecure_channel(control) as ch:
+                assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
+        stack.enter_context(child([*_compute_cmd(kport), "--model", "gemma3"], compute))
+        deadline = time.monotonic() + 60
+        while " not attached: " not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        url2 = f"http://127.0.0.1:{cmetrics2}/metrics"
+        cmd2 = _control_cmd(cport2, cmetrics2, compute, "--model", "gemma3")
+        stack.enter_context(child(cmd2, control2))
+        deadline = time.monotonic() + 30
+        while _metric(url2, "hetero_compute_attached", compute=compute) != 1:
+            assert time.monotonic() < deadline, "the refused compute plane was not left free"
+            time.sleep(0.2)
+        errors = [line for line in log.read_text().splitlines() if " not attached: " in line]
+        assert len(errors) == 1, errors  # (tried every 2 s, logged once)
+        assert " ERROR " in errors[0], errors[0]
+        assert errors[0].endswith(
+            f"compute plane {compute} not attached: --model {folder}: the compute plane at "
+            f"{compute} serves Gemma 3 270m, whose vocabulary is not this tokenizer's (0 of 48 "
+            "blocks of 1024 token ids agree)"
+        ), errors[0]
+        assert _metric(url, "hetero_compute_attached", compute=compute) == 0

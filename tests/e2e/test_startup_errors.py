@@ -121,6 +121,30 @@ def test_speculation_a_compute_plane_cannot_do_stops_the_control_plane() -> None
     _refused(r, f"--speculative draft: the compute plane at {compute} holds no draft model")
 
 
+@pytest.mark.parametrize(
+    ("model", "compute_model", "served"),
+    [
+        ("default", "gemma3", "Gemma 3 270m"),
+        ("gemma3", "default", "Smollm2 135M 8k Lc100K Mix1 Ep2"),
+    ],
+)
+def test_a_compute_plane_of_another_vocabulary_stops_the_control_plane(
+    model: str, compute_model: str, served: str
+) -> None:
+    # It attached and served: Gemma 3's weights fed SmolLM2's token ids answered gibberish,
+    # SmolLM2's fed Gemma 3's gibberish or a 400 for an id past its vocabulary.
+    with compute_plane("--model", compute_model, "--kv-cache-bytes", str(64 << 20)) as compute:
+        r = _run(
+            "control-plane", "--port", str(free_port()), "--metrics-port", "-1",
+            "--compute", compute, "--model", model,
+        )  # fmt: skip
+    _refused(
+        r,
+        f"--model {model}: the compute plane at {compute} serves {served}, whose vocabulary "
+        "is not this tokenizer's (0 of 48 blocks of 1024 token ids agree)",
+    )
+
+
 def test_serve_refuses_a_bad_port_before_starting_anything() -> None:
     r = _run("serve", "--port", "70000", timeout=30)
     _refused(r, "--port must be in 1..65535, got 70000")
