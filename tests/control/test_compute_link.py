@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from control_plane.compute_client import ComputeClient
 from hetero_common.limits import MAX_TOP_LOGPROBS
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
+from tests.control.fake_compute import linked
 
 
 class LongPromptLogprobs(pb_grpc.ComputePlaneServicer):
@@ -51,18 +51,10 @@ def test_a_step_result_past_grpcs_default_4_mib_is_read() -> None:
     servicer = LongPromptLogprobs(positions=20_000)
 
     async def main() -> pb.StepResult:
-        server = grpc.aio.server()
-        pb_grpc.add_ComputePlaneServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = ComputeClient(f"127.0.0.1:{port}")
-        try:
+        async with linked(servicer) as client:
             await client.attach()
             await client.send(pb.StepRequest(step_id=1))
             return await client.receive()
-        finally:
-            await client.close()
-            await server.stop(grace=None)
 
     result = asyncio.run(main())
     assert result.ByteSize() > 4 << 20

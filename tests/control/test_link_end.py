@@ -14,6 +14,7 @@ import pytest
 from control_plane.compute_client import ComputeClient, ComputeLinkError
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
+from tests.control.fake_compute import linked
 
 
 class _Compute(pb_grpc.ComputePlaneServicer):
@@ -38,16 +39,8 @@ class _Compute(pb_grpc.ComputePlaneServicer):
 
 async def _with_link(check: object) -> None:
     servicer = _Compute()
-    server = grpc.aio.server()
-    pb_grpc.add_ComputePlaneServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    client = ComputeClient(f"127.0.0.1:{port}")
-    try:
+    async with linked(servicer) as client:
         await check(servicer, client)  # type: ignore[operator]
-    finally:
-        await client.close()
-        await server.stop(None)
 
 
 def test_the_stream_ending_by_itself_is_reported_and_a_step_sent_then_fails_the_link() -> None:

@@ -369,7 +369,7 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
     logged, and each try (every 2 s) opened a step stream, so the plane stayed taken: a
     second control plane was refused it for ever."""
     cport, cmetrics, cport2, cmetrics2 = (free_port() for _ in range(4))
-    control, control2 = f"127.0.0.1:{cport}", f"127.0.0.1:{cport2}"
+    control = f"127.0.0.1:{cport}"
     smol_port, gemma_port = free_port(), free_port()
     smol, gemma = f"127.0.0.1:{smol_port}", f"127.0.0.1:{gemma_port}"
     log = tmp_path / "control.log"
@@ -391,13 +391,7 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
         while " ERROR " not in log.read_text():
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        url2 = f"http://127.0.0.1:{cmetrics2}/metrics"
-        cmd2 = _control_cmd(cport2, cmetrics2, gemma, "--model", "gemma3")
-        stack.enter_context(child(cmd2, control2))
-        deadline = time.monotonic() + 30
-        while _metric(url2, "hetero_compute_attached", compute=gemma) != 1:
-            assert time.monotonic() < deadline, "the refused compute plane was not left free"
-            time.sleep(0.2)
+        _attached_by_another(stack, cport2, cmetrics2, gemma)
         errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
         assert len(errors) == 1, errors
         assert f"compute plane {gemma} not attached: " in errors[0], errors[0]
@@ -408,6 +402,19 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
         assert _metric(url, "hetero_compute_attached", compute=gemma) == 0
         with grpc.insecure_channel(control) as ch:  # the first control plane still serves
             assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
+
+
+def _attached_by_another(
+    stack: contextlib.ExitStack, port: int, metrics_port: int, compute: str
+) -> None:
+    """A Gemma 3 control plane started on `port` attaches the compute plane another
+    control plane refused: it was left free (its step stream not held)."""
+    cmd = _control_cmd(port, metrics_port, compute, "--model", "gemma3")
+    stack.enter_context(child(cmd, f"127.0.0.1:{port}"))
+    url, deadline = f"http://127.0.0.1:{metrics_port}/metrics", time.monotonic() + 30
+    while _metric(url, "hetero_compute_attached", compute=compute) != 1:
+        assert time.monotonic() < deadline, "the refused compute plane was not left free"
+        time.sleep(0.2)
 
 
 def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
@@ -423,7 +430,7 @@ def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
     folder = tmp_path / "smollm2-hf"
     hf_smollm2_tokenizer.save_pretrained(folder)  # type: ignore[attr-defined]
     cport, cmetrics, cport2, cmetrics2, kport = (free_port() for _ in range(5))
-    control, control2, compute = (f"127.0.0.1:{p}" for p in (cport, cport2, kport))
+    control, compute = f"127.0.0.1:{cport}", f"127.0.0.1:{kport}"
     log = tmp_path / "control.log"
     url = f"http://127.0.0.1:{cmetrics}/metrics"
     cmd = [
@@ -445,13 +452,7 @@ def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
         while " not attached: " not in log.read_text():
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        url2 = f"http://127.0.0.1:{cmetrics2}/metrics"
-        cmd2 = _control_cmd(cport2, cmetrics2, compute, "--model", "gemma3")
-        stack.enter_context(child(cmd2, control2))
-        deadline = time.monotonic() + 30
-        while _metric(url2, "hetero_compute_attached", compute=compute) != 1:
-            assert time.monotonic() < deadline, "the refused compute plane was not left free"
-            time.sleep(0.2)
+        _attached_by_another(stack, cport2, cmetrics2, compute)
         errors = [line for line in log.read_text().splitlines() if " not attached: " in line]
         assert len(errors) == 1, errors  # (tried every 2 s, logged once)
         assert " ERROR " in errors[0], errors[0]
