@@ -387,12 +387,7 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
         wait_serving(control, proc)
         # (started after the control plane attached SmolLM2: met second)
         stack.enter_context(child([*_compute_cmd(gemma_port), "--model", "gemma3"], gemma))
-        deadline = time.monotonic() + 60
-        while " ERROR " not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        _attached_by_another(stack, cport2, cmetrics2, gemma)
-        errors = [line for line in log.read_text().splitlines() if " ERROR " in line]
+        errors = _refused(log, " ERROR ", stack, cport2, cmetrics2, gemma)
         assert len(errors) == 1, errors
         assert f"compute plane {gemma} not attached: " in errors[0], errors[0]
         assert "serves Gemma 3 270m (vocabulary 262144), not Smollm2" in errors[0], errors[0]
@@ -404,17 +399,23 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
             assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
 
 
-def _attached_by_another(
-    stack: contextlib.ExitStack, port: int, metrics_port: int, compute: str
-) -> None:
-    """A Gemma 3 control plane started on `port` attaches the compute plane another
-    control plane refused: it was left free (its step stream not held)."""
+def _refused(
+    log: Path, needle: str, stack: contextlib.ExitStack, port: int, metrics_port: int, compute: str
+) -> list[str]:
+    """The lines of a control plane's `log` with `needle`, once it logged refusing
+    `compute` and a Gemma 3 control plane on `port` then attached that compute plane: it
+    was left free (its step stream not held)."""
+    deadline = time.monotonic() + 60
+    while needle not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
     cmd = _control_cmd(port, metrics_port, compute, "--model", "gemma3")
     stack.enter_context(child(cmd, f"127.0.0.1:{port}"))
     url, deadline = f"http://127.0.0.1:{metrics_port}/metrics", time.monotonic() + 30
     while _metric(url, "hetero_compute_attached", compute=compute) != 1:
         assert time.monotonic() < deadline, "the refused compute plane was not left free"
         time.sleep(0.2)
+    return [line for line in log.read_text().splitlines() if needle in line]
 
 
 def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
@@ -448,12 +449,7 @@ def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
             with grpc.insecure_channel(control) as ch:
                 assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
         stack.enter_context(child([*_compute_cmd(kport), "--model", "gemma3"], compute))
-        deadline = time.monotonic() + 60
-        while " not attached: " not in log.read_text():
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        _attached_by_another(stack, cport2, cmetrics2, compute)
-        errors = [line for line in log.read_text().splitlines() if " not attached: " in line]
+        errors = _refused(log, " not attached: ", stack, cport2, cmetrics2, compute)
         assert len(errors) == 1, errors  # (tried every 2 s, logged once)
         assert " ERROR " in errors[0], errors[0]
         assert errors[0].endswith(
