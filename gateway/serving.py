@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import tool_calls
+from gateway.bodies import beside_body
 from gateway.errors import APIError
 from gateway.generation import (
     FINISH,
@@ -285,7 +286,7 @@ class Serving(Generic[Body]):
                 400, "stream_options is only allowed when stream is true", param="stream_options"
             )
         self.check(body)
-        calls = self.calls(body)
+        calls = await beside_body(request, self.calls, body)
         check_batch(len(calls), settings.max_waiting, self.input_param)
         call = Call(body, model, calls, f"{self.id_prefix}{uuid.uuid4().hex}")
         if body.stream:

@@ -772,3 +772,35 @@ def test_metrics_answer_head_and_the_format_the_scraper_asks_for(client: TestCli
     before = counted("other", "404"), counted("/metrics", "200")
     assert client.get("/metricsXYZ").status_code == 404
     assert (counted("other", "404"), counted("/metrics", "200")) == (before[0] + 1, before[1])
+
+
+def test_a_big_chats_calls_are_built_off_the_event_loop(
+    client: TestClient, link: FakeLink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat read in the body lane (gateway.bodies) has its generate call built there too:
+    for 50,000 messages that took 0.07-0.1 s, with every other stream held meanwhile."""
+    import threading
+
+    from gateway import serving
+
+    where: list[str] = []
+
+    def chat_call(req: Any) -> pb.GenerateRequest:
+        where.append(threading.current_thread().name)
+        return real(req)
+
+    real = serving.chat_call
+    monkeypatch.setattr(serving, "chat_call", chat_call)
+    small = [{"role": "user", "content": "Hi"}]
+    big = [{"role": "user", "content": "a" * 100}] * 1000  # > OFF_LOOP_BYTES of JSON
+    for messages in (small, big, small):
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        assert r.status_code == 200, r.text
+    assert len(link.mux.calls) == 3 and len(link.mux.calls[1].chat.messages) == 1000
+    loop = where[0]
+    assert where[2] == loop and where[1].startswith("body") and where[1] != loop
+    r = client.post(  # its errors still reach the client as the small one's would
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": big, "continue_final_message": True},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
