@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -69,6 +70,9 @@ class OfflineLLM:
         self.model_name = model_display_name(path)
         self.engine = Engine(self.compute_config, load_for(self.compute_config, path))
         self.engine.warmup()
+        # One generate at a time: each attaches its own control engine to self.engine,
+        # resetting it, so a second one running beside it lost the first one's requests.
+        self._running = threading.Lock()
 
     def generate(
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
@@ -77,9 +81,11 @@ class OfflineLLM:
         hold them, as vLLM's LLM.generate takes any number); results in prompt order.
         Each prompt is a string or a list of token ids; TypeError / ValueError name the
         one that is not, or a count of params that does not match (AdmissionError for a
-        prompt or params the engine refuses)."""
+        prompt or params the engine refuses). Calls from several threads run one after
+        another."""
         _check(prompts, params)
-        return asyncio.run(self._generate(prompts, params))
+        with self._running:
+            return asyncio.run(self._generate(prompts, params))
 
     async def _generate(
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,26 @@ def test_a_plane_config_for_another_model_is_refused_not_ignored(
     # The same file under another name (the link's target) is the same model.
     same = ControlConfig(model=str(smollm2_path), metrics_port=-1)
     assert OfflineLLM(str(model), control=same).control_config is same
+
+
+def test_generate_from_two_threads_at_once_runs_both_as_each_alone(smollm2_path: Path) -> None:
+    """Each generate attaches its own control engine to the one compute engine, resetting
+    it: two at once on one instance lost each other's requests (a RequestFailed, an
+    IndexError in the model runner, or a hang); they now run one after the other."""
+    llm = OfflineLLM(str(smollm2_path))
+    params = [pb.GenerationParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
+    alone = [c.token_ids for c in llm.generate(PROMPTS[:3], params)]
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = [c.token_ids for c in llm.generate(PROMPTS[:3], params)]
+        except Exception as e:  # (the assert below shows it)
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: alone, 1: alone, 2: alone}
