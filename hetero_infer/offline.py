@@ -46,12 +46,18 @@ def in_process_link(engine: Engine) -> InProcessLink:
 
 @dataclass
 class Completion:
-    """One prompt's result: n choices, in index order."""
+    """One prompt's result: n choices, in index order. `logprobs` (each choice's, a
+    TokenLogprob per token) and `prompt_logprobs` (prompt tokens 1.., as vLLM's after its
+    None for the first) are empty unless GenerationParams asked for them; a stop reason is
+    the stop string or stop/EOS token id that ended the choice, else None (vLLM's)."""
 
     prompt_token_ids: list[int]
     token_ids: list[list[int]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     finish_reasons: list[int] = field(default_factory=list)
+    logprobs: list[list[pb.TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    stop_reasons: list[str | int | None] = field(default_factory=list)
 
 
 class OfflineLLM:
@@ -150,6 +156,9 @@ async def _collect(stream: GenerateStream) -> Completion:
         [c.token_ids for c in choices],
         [c.text for c in choices],
         [c.finish_reason for c in choices],
+        [c.logprobs for c in choices],
+        choices[0].prompt_logprobs,
+        [c.stop_reason for c in choices],
     )
 
 

@@ -96,3 +96,22 @@ def test_generate_from_two_threads_at_once_runs_both_as_each_alone(smollm2_path:
     for t in threads:
         t.join(60)
     assert results == {0: alone, 1: alone, 2: alone}
+
+
+def test_logprobs_and_stop_reasons_asked_for_are_returned(smollm2_path: Path) -> None:
+    """Completion kept only texts, token ids and finish reasons: logprobs, prompt logprobs
+    and which stop string ended a choice were asked for, computed and silently dropped."""
+    llm = OfflineLLM(str(smollm2_path))
+    asked = pb.GenerationParams(
+        max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=2, prompt_logprobs=1, n=2
+    )
+    plain = pb.GenerationParams(max_tokens=12, temperature=0.0, stop=[" 5"])
+    done, stopped = llm.generate(["1, 2, 3,", "1, 2, 3,"], [asked, plain])
+    assert len(done.logprobs) == 2
+    for ids, logprobs in zip(done.token_ids, done.logprobs, strict=True):
+        assert [lp.token_id for lp in logprobs] == ids
+        assert all(lp.logprob <= 0 and len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert [lp.token_id for lp in done.prompt_logprobs] == done.prompt_token_ids[1:]
+    assert done.stop_reasons == [None, None]
+    assert stopped.texts == [" 4,"] and stopped.stop_reasons == [" 5"]
+    assert stopped.logprobs == [[]] and stopped.prompt_logprobs == []
