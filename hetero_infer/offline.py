@@ -25,6 +25,7 @@ from control_plane.compute_client import InProcessLink, StepFailed
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
+from control_plane.scheduler import AdmissionError
 from control_plane.tokenizer import load_tokenizer
 from hetero_common.accumulate import Accumulated
 from hetero_common.model_path import DEFAULT_MODEL, model_display_name, resolve_model_path
@@ -86,9 +87,9 @@ class OfflineLLM:
         """Run every prompt to the end, all admitted at once (the waiting queue is made to
         hold them, as vLLM's LLM.generate takes any number); results in prompt order.
         Each prompt is a string or a list of token ids; TypeError / ValueError name the
-        one that is not, or a count of params that does not match (AdmissionError for a
-        prompt or params the engine refuses). Calls from several threads run one after
-        another."""
+        one that is not, or a count of params that does not match (AdmissionError, a
+        ValueError, for a prompt or params the engine refuses: `prompts[i]: ...`, raised
+        before any prompt runs). Calls from several threads run one after another."""
         _check(prompts, params)
         with self._running:
             return asyncio.run(self._generate(prompts, params))
@@ -108,13 +109,16 @@ class OfflineLLM:
         try:
             await control.first_attached()
             streams = []
-            for prompt, p in zip(prompts, params, strict=True):
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 ids = (
                     self.tokenizer.encode(prompt)
                     if isinstance(prompt, str)
                     else list(map(int, prompt))
                 )
-                streams.append(control.submit(ids, p))
+                try:
+                    streams.append(control.submit(ids, p))
+                except AdmissionError as e:  # which of the batch (none has run)
+                    raise AdmissionError(f"prompts[{i}]: {e}") from None
             return [await _collect(s) for s in streams]
         finally:
             await control.stop()

@@ -115,3 +115,20 @@ def test_logprobs_and_stop_reasons_asked_for_are_returned(smollm2_path: Path) ->
     assert done.stop_reasons == [None, None]
     assert stopped.texts == [" 4,"] and stopped.stop_reasons == [" 5"]
     assert stopped.logprobs == [[]] and stopped.prompt_logprobs == []
+
+
+def test_a_refused_prompt_of_a_batch_is_named_by_its_index(smollm2_path: Path) -> None:
+    """The engine's refusal ('the prompt has 9001 tokens; ...') did not say which of the
+    batch it was; it names prompts[i] now, as the type checks do, and nothing has run."""
+    path = str(smollm2_path)
+    llm = OfflineLLM(path, control=ControlConfig(model=path, metrics_port=-1, max_model_len=64))
+    p = pb.GenerationParams(max_tokens=2, temperature=0.0)
+    for prompts, params, message in [
+        (["Hi", "word " * 100, "Ho"], [p] * 3, r"prompts\[1\]: the prompt has 101 tokens"),
+        (["Hi", "Ho", [1, 49152]], [p] * 3, r"prompts\[2\]: prompt: token id 49152 is out"),
+        (["Hi", "Ho"], [p, pb.GenerationParams(n=17)], r"prompts\[1\]: n must be in 1\.\.16"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^{message}"):
+            llm.generate(prompts, params)
+    (done,) = llm.generate(["Hi"], [p])
+    assert len(done.token_ids[0]) == 2
