@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import atexit
 import functools
+import logging
 import os
 import sys
 from typing import NoReturn
@@ -217,7 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_process_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     """Logs and traces; after a subcommand they override the ones before it."""
     level, fmt, otlp = ("INFO", "text", None) if defaults else (argparse.SUPPRESS,) * 3
-    parser.add_argument("--log-level", default=level, help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-level", default=level, type=_log_level, help="DEBUG, INFO, WARNING, ERROR"
+    )
     parser.add_argument(
         "--log-format",
         default=fmt,
@@ -231,6 +234,16 @@ def _add_process_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> No
         help="send OpenTelemetry traces (OTLP/gRPC) there, e.g. http://otel-collector:4317; "
         "needs the otel extra",
     )
+
+
+def _log_level(value: str) -> str:
+    """A level logging knows, in any case (an unknown one was logging's ValueError
+    traceback once the command ran, not a usage error)."""
+    if value.upper() not in logging.getLevelNamesMapping():
+        raise argparse.ArgumentTypeError(
+            f"invalid level {value!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)"
+        )
+    return value.upper()
 
 
 SERVERS = ("compute-plane", "control-plane", "gateway")

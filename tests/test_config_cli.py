@@ -11,7 +11,7 @@ import pytest
 from compute_plane.config import ComputeConfig
 from control_plane.config import ControlConfig
 from gateway.config import GatewayConfig
-from hetero_infer.cli import build_parser
+from hetero_infer.cli import build_parser, main
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
 
 
@@ -136,3 +136,23 @@ def test_every_subcommand_parses() -> None:
         ["generate", "hi", "--max-tokens", "3"],
     ):
         assert parser.parse_args(argv).command == argv[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [(["--log-level", "BOGUS", "generate", "hi"], "BOGUS"), (["gateway", "--log-level", "x"], "x")],
+)
+def test_an_unknown_log_level_is_a_usage_error(
+    argv: list[str], level: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # It was logging's ValueError traceback (exit 1) once the command ran.
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].endswith(
+        f"error: argument --log-level: invalid level {level!r} "
+        "(DEBUG, INFO, WARNING, ERROR or CRITICAL)"
+    )
+    assert build_parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
