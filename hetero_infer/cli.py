@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 from hetero_common.logs import LOG_FORMATS, setup_logging
@@ -148,11 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_control_plane)
 
     p = add("generate", help="run both planes locally and stream one completion")
-    p.add_argument("prompt")
+    p.add_argument("prompt", type=_utf8)
     p.add_argument("--model", default="default", help="HF folder, .gguf, 'default' or 'gemma3'")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens", type=_int_in(0, 2**31 - 1), default=64, help="0 = up to the context"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None)
     p.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
     p.add_argument("--verbose", action="store_true", help="show the planes' logs")
     p.set_defaults(func=_generate)
@@ -234,6 +237,30 @@ def _add_process_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> No
         help="send OpenTelemetry traces (OTLP/gRPC) there, e.g. http://otel-collector:4317; "
         "needs the otel extra",
     )
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """An int flag the request's field can hold (protobuf's 'Value out of range' named
+    no flag)."""
+
+    def parse(value: str) -> int:
+        n = int(value)  # (a ValueError: argparse's "invalid ... value")
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}, got {n}")
+        return n
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _utf8(value: str) -> str:
+    """An argument the request can carry: bytes that are not UTF-8 reach Python as
+    surrogates, which protobuf refused with a message that named no argument."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("is not valid UTF-8") from None
+    return value
 
 
 def _log_level(value: str) -> str:

@@ -156,3 +156,41 @@ def test_an_unknown_log_level_is_a_usage_error(
         "(DEBUG, INFO, WARNING, ERROR or CRITICAL)"
     )
     assert build_parser().parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seed", "-1"], "argument --seed: must be in 0..18446744073709551615, got -1"),
+        (["--seed", str(2**64)], f"argument --seed: must be in 0..{2**64 - 1}, got {2**64}"),
+        (["--max-tokens", str(2**31)], f"--max-tokens: must be in 0..2147483647, got {2**31}"),
+        (["--max-tokens", "-5"], "argument --max-tokens: must be in 0..2147483647, got -5"),
+    ],
+)
+def test_generate_flags_the_request_cannot_hold_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Each started both planes, then protobuf's ValueError 'Value out of range: -1' (or the
+    # control plane's 'max_tokens and min_tokens must be >= 0') named no flag.
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["generate", "hi", *argv])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+
+
+def test_a_generate_prompt_that_is_not_utf8_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Bytes that are not UTF-8 reach argv as surrogates; protobuf refused them with
+    # "'utf-8' codec can't encode characters in position 0-1" naming no argument.
+    prompt = b"\xff\xfe hi".decode(errors="surrogateescape")
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["generate", prompt])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("error: argument prompt: is not valid UTF-8")
+    )
+    args = build_parser().parse_args(["generate", "héllo", "--seed", str(2**64 - 1)])
+    assert (args.prompt, args.seed, args.max_tokens) == ("héllo", 2**64 - 1, 64)
