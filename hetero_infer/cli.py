@@ -98,9 +98,21 @@ def _serve(args: argparse.Namespace) -> int:
     compute_args: list[str] = list(args.compute_arg or [])
     if args.chat_template:
         control_args += ["--chat-template", args.chat_template]
-    if not 0 < args.port < 65536:  # before the planes start, not once they have loaded
+    # Checked before the planes start, not once they have loaded, naming serve's flags (a
+    # plane named its own: --metrics-port, or --max-speculative-tokens for a bad k).
+    if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    for plane, port in (
+        ("compute", args.compute_metrics_port),
+        ("control", args.control_metrics_port),
+    ):
+        if not -1 <= port < 65536:
+            raise ValueError(f"--{plane}-metrics-port must be in -1..65535, got {port}")
     method = args.speculative or ("draft" if args.draft_model else None)
+    if method is not None and not 1 <= args.num_speculative_tokens <= 64:
+        raise ValueError(
+            f"--num-speculative-tokens must be in 1..64, got {args.num_speculative_tokens}"
+        )
     if method == "draft" and not args.draft_model:
         raise SystemExit("hetero-infer serve: --speculative draft needs --draft-model PATH")
     if method == "ngram" and args.draft_model:

@@ -151,6 +151,25 @@ def test_serve_refuses_a_bad_port_before_starting_anything() -> None:
     assert "compute_plane" not in r.stderr  # no plane logged a line
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--compute-metrics-port", "70000"), "--compute-metrics-port must be in -1..65535"),
+        (("--control-metrics-port", "-2"), "--control-metrics-port must be in -1..65535, got -2"),
+        (("--speculative", "ngram", "--num-speculative-tokens", "0"), "--num-speculative-tok"),
+        (("--draft-model", "d", "--num-speculative-tokens", "65"), "--num-speculative-tokens m"),
+    ],
+)
+def test_serve_refuses_bad_plane_flags_before_starting_anything(
+    args: tuple[str, ...], message: str
+) -> None:
+    # The planes started and loaded, then refused them naming their own flags (--metrics-port,
+    # --max-speculative-tokens: not what was typed) in two error lines, exit 1.
+    r = _run("serve", "--port", str(free_port()), *args, timeout=30)
+    _refused(r, message)
+    assert "compute_plane" not in r.stderr  # nothing started
+
+
 @pytest.mark.parametrize("extra", [0, 1])
 def test_serve_bounds_compute_planes_by_the_cpus(extra: int) -> None:
     # No upper bound: --compute-planes 10000 started 10000 processes, each loading the model.
