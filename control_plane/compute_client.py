@@ -248,6 +248,10 @@ class InProcessLink:
         """Runs the oldest step sent (a call in this process: nothing overlaps it)."""
         if not self._sent:
             raise RuntimeError("receive() before send()")
+        # Let the loop's other tasks run between steps: without a suspension here the step
+        # loop never yielded while it had work, so a cancelled caller (OfflineLLM's Ctrl-C)
+        # was noticed only once every request had finished.
+        await asyncio.sleep(0)
         request = self._sent.popleft()
         result = self._answer(request)
         return pb.StepResult.FromString(result.SerializeToString()) if self._wire else result

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -131,4 +134,27 @@ def test_a_refused_prompt_of_a_batch_is_named_by_its_index(smollm2_path: Path) -
         with pytest.raises(ValueError, match=rf"^{message}"):
             llm.generate(prompts, params)
     (done,) = llm.generate(["Hi"], [p])
+    assert len(done.token_ids[0]) == 2
+
+
+def test_ctrl_c_during_generate_raises_at_once_and_the_engine_serves_on(
+    smollm2_path: Path,
+) -> None:
+    """The in-process step loop never yielded to the event loop while it had work, so
+    asyncio.run's Ctrl-C (a cancel of the main task) landed only once every request had
+    finished: ~25 s here for 8 prompts of 1000 tokens. It lands within a step now."""
+    llm = OfflineLLM(str(smollm2_path))
+    params = [pb.GenerationParams(max_tokens=600, temperature=0.0, ignore_eos=True)] * 8
+    sent: list[float] = []
+
+    def ctrl_c() -> None:
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Timer(1.0, ctrl_c)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:1] * 8, params)
+    assert time.monotonic() - sent[0] < 2.0
+    (done,) = llm.generate(["Hi"], [pb.GenerationParams(max_tokens=2, temperature=0.0)])
     assert len(done.token_ids[0]) == 2
