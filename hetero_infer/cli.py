@@ -7,6 +7,7 @@ import asyncio
 import atexit
 import functools
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-tokens", type=_int_in(0, 2**31 - 1), default=64, help="0 = up to the context"
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
     p.add_argument("--seed", type=_int_in(0, 2**64 - 1), default=None)
     p.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
     p.add_argument("--verbose", action="store_true", help="show the planes' logs")
@@ -265,9 +266,21 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
     return parse
 
 
+def _temperature(value: str) -> float:
+    """A temperature the control plane takes (it refused others once both planes had
+    loaded)."""
+    t = float(value)  # (a ValueError: argparse's "invalid ... value")
+    if not (math.isfinite(t) and t >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    return t
+
+
 def _utf8(value: str) -> str:
     """An argument the request can carry: bytes that are not UTF-8 reach Python as
-    surrogates, which protobuf refused with a message that named no argument."""
+    surrogates, which protobuf refused with a message that named no argument; an empty
+    prompt, which the control plane refused once both planes had loaded."""
+    if not value:
+        raise argparse.ArgumentTypeError("is empty")
     try:
         value.encode()
     except UnicodeEncodeError:

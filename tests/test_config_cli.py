@@ -165,6 +165,8 @@ def test_an_unknown_log_level_is_a_usage_error(
         (["--seed", str(2**64)], f"argument --seed: must be in 0..{2**64 - 1}, got {2**64}"),
         (["--max-tokens", str(2**31)], f"--max-tokens: must be in 0..2147483647, got {2**31}"),
         (["--max-tokens", "-5"], "argument --max-tokens: must be in 0..2147483647, got -5"),
+        (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0, got -1"),
+        (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
     ],
 )
 def test_generate_flags_the_request_cannot_hold_are_usage_errors(
@@ -192,5 +194,9 @@ def test_a_generate_prompt_that_is_not_utf8_is_a_usage_error(
         .err.splitlines()[-1]
         .endswith("error: argument prompt: is not valid UTF-8")
     )
+    with pytest.raises(SystemExit) as exit_:  # (the control plane's refusal, planes loaded)
+        build_parser().parse_args(["generate", ""])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("error: argument prompt: is empty")
     args = build_parser().parse_args(["generate", "héllo", "--seed", str(2**64 - 1)])
     assert (args.prompt, args.seed, args.max_tokens) == ("héllo", 2**64 - 1, 64)
