@@ -56,6 +56,22 @@ log = logging.getLogger(__name__)
 REFUSED_RETRY_SECONDS = 30.0
 
 
+def model_shape(d: cpb.DescribeResponse) -> dict[str, object]:
+    """What two compute planes must share to serve one model (a request moves between
+    them): not their model names, which differ for the same model in another form (a GGUF
+    file's general.name, an HF folder's name; quantized or not), but its vocabulary and
+    shape. A model of the same tokenizer and another size differs here."""
+    return {
+        "vocabulary": d.vocab_size,
+        "architecture": d.architecture,
+        "layers": d.num_layers,
+        "hidden size": d.hidden_size,
+        "attention heads": d.num_attention_heads,
+        "KV heads": d.num_kv_heads,
+        "head size": d.head_dim,
+    }
+
+
 def _queue(sched: Scheduler, stream: GenerateStream) -> None:
     """Queue a stream's choices (the others fork the first's prompt blocks): all or none."""
     added: list[Request] = []
@@ -124,12 +140,17 @@ class ControlEngine:
         self._discovery: asyncio.Task[None] | None = None
         # With max_compute_planes: addresses another control plane drove, skipped until.
         self._passed_over: dict[str, float] = {}
+        # The compute planes listed (--compute, as last read), and why those found unfit
+        # before any attached were (a start-up error once they all were).
+        self._listed: list[str] = []
+        self._unfit_seen: dict[str, str] = {}
         # benchmarks.profile sets a list: one record of wall-clock marks (ns) per step.
         self.timeline: list[dict[str, int]] | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         if self._link is not None:
+            self._listed = [self._link.address]
             self._add_plane(self._link)
             return
         spec = self.config.compute
@@ -163,10 +184,14 @@ class ControlEngine:
         another control plane drives makes room for one not tried lately."""
         cap = self.config.max_compute_planes
         now = time.monotonic()
+        self._listed = list(addresses)
         self._passed_over = {a: t for a, t in self._passed_over.items() if t > now}
         if cap:
             for address, plane in list(self.planes.items()):
-                if plane.refused and not plane.attached.is_set() and not plane.leaving:
+                # (one found unfit too: it may come back with the right model, like a
+                # driven one, but holds no place meanwhile)
+                unused = plane.refused or plane.unfit is not None
+                if unused and not plane.attached.is_set() and not plane.leaving:
                     self._passed_over[address] = now + REFUSED_RETRY_SECONDS
                     plane.leave()
         wanted = [a for a in addresses if a in self.planes and not self.planes[a].leaving]
@@ -206,11 +231,16 @@ class ControlEngine:
         if not self.attached.is_set():
             raise ValueError(self.unfit)
 
-    def plane_unfit(self, error: Exception) -> None:
-        """A compute plane cannot serve this configuration: before any served, the
-        control plane's start-up fails with it; later, that plane is left unattached."""
-        if not self.served and not self.unfit_at_start.is_set():
-            self.unfit = str(error)
+    def plane_unfit(self, address: str, error: Exception) -> None:
+        """The compute plane at `address` cannot serve this configuration: before any
+        served, the control plane's start-up fails once every compute plane listed was
+        found unfit (one that fits may still attach: which answers first is a race);
+        later, that plane is left unattached."""
+        if self.served or self.unfit_at_start.is_set():
+            return
+        self._unfit_seen[address] = str(error)
+        if all(a in self._unfit_seen for a in self._listed):
+            self.unfit = "; ".join(dict.fromkeys(self._unfit_seen[a] for a in self._listed))
             self.unfit_at_start.set()
 
     def plane_detached(self, plane: ComputePlane) -> None:
@@ -233,11 +263,19 @@ class ControlEngine:
         for other in self.planes.values():
             od = other.description
             if other is not plane and other.attached.is_set() and od is not None:
-                if (od.model_name, od.vocab_size) != (d.model_name, d.vocab_size):
+                mine, theirs = model_shape(d), model_shape(od)
+                for key in mine:
+                    if mine[key] != theirs[key]:
+                        raise PlaneUnfit(
+                            f"compute plane {plane.address} serves {d.model_name} "
+                            f"({key} {mine[key]}), not {od.model_name} ({key} {theirs[key]}) "
+                            f"as compute plane {other.address} does"
+                        )
+                if vocab.differ(od.vocab_fingerprint, d.vocab_fingerprint):
                     raise PlaneUnfit(
-                        f"compute plane {plane.address} serves {d.model_name} "
-                        f"(vocabulary {d.vocab_size}), not {od.model_name} "
-                        f"(vocabulary {od.vocab_size}) as compute plane {other.address} does"
+                        f"compute plane {plane.address} serves {d.model_name}, whose "
+                        f"vocabulary is not that of {od.model_name}, which compute plane "
+                        f"{other.address} serves"
                     )
                 break
         if vocab.differ(self.vocab, d.vocab_fingerprint):

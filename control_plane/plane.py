@@ -202,6 +202,11 @@ class ComputePlane:
         self._wake.set()
 
     @property
+    def unfit(self) -> str | None:
+        """Why its last attach refused it as unfit (PlaneUnfit), else None."""
+        return self._unfit
+
+    @property
     def accepting(self) -> bool:
         """Whether new requests may be placed here."""
         return (
@@ -349,7 +354,7 @@ class ComputePlane:
                     if self._unfit != str(e):
                         log.error("compute plane %s not attached: %s", self.address, e)
                     self._unfit = str(e)
-                    self.engine.plane_unfit(e)
+                    self.engine.plane_unfit(self.address, e)
                 if not self.attached.is_set() and getattr(e, "code", "") == "FAILED_PRECONDITION":
                     if not self.refused:
                         log.info("compute plane %s: %s", self.address, e)

@@ -7,6 +7,7 @@ control plane's public gRPC API with the bundled model.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -458,3 +459,152 @@ def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
             "blocks of 1024 token ids agree)"
         ), errors[0]
         assert _metric(url, "hetero_compute_attached", compute=compute) == 0
+
+
+def _log_has(log: Path, needle: str, timeout: float = 60) -> str:
+    """The first line of `log` with `needle`, once there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [line for line in log.read_text().splitlines() if needle in line]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def _wait_attached(url: str, compute: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while _metric(url, "hetero_compute_attached", compute=compute) != 1:
+        assert time.monotonic() < deadline, f"compute plane {compute} was not attached"
+        time.sleep(0.2)
+
+
+def test_an_unfit_compute_plane_met_first_does_not_stop_the_start_up(tmp_path: Path) -> None:
+    """Of the compute planes listed, the one met first serves another model (Gemma 3) and
+    the one of this model comes up later: the control plane logs the refusal and serves
+    with the other. It exited at the first refusal (exit 2), although which plane answers
+    first is a race."""
+    cport, cmetrics, gemma_port, smol_port = (free_port() for _ in range(4))
+    control = f"127.0.0.1:{cport}"
+    gemma, smol = f"127.0.0.1:{gemma_port}", f"127.0.0.1:{smol_port}"
+    log = tmp_path / "control.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_infer.cli",
+        *_control_cmd(cport, cmetrics, f"{gemma},{smol}"),
+    ]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(child([*_compute_cmd(gemma_port), "--model", "gemma3"], gemma))
+        out = stack.enter_context(log.open("wb"))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+        stack.callback(stop_process, proc)
+        refusal = _log_has(log, " not attached: ")
+        assert f"compute plane {gemma} not attached: " in refusal, refusal
+        time.sleep(1.0)  # (it exited within a few ms of that line)
+        assert proc.poll() is None, log.read_text()
+        stack.enter_context(child(_compute_cmd(smol_port), smol))
+        wait_serving(control, proc)
+        with grpc.insecure_channel(control) as ch:
+            assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
+        url = f"http://127.0.0.1:{cmetrics}/metrics"
+        assert _metric(url, "hetero_compute_attached", compute=gemma) == 0
+
+
+def test_the_same_model_in_another_form_attaches_beside_it_another_size_does_not(
+    tmp_path: Path, hf_smollm2: object, hf_smollm2_tokenizer: object
+) -> None:
+    """A GPU pod with the model's HF safetensors beside a CPU pod with its GGUF is the
+    deployment this project is for: the two compute planes report different model names
+    (the GGUF's general.name, the folder's name) and the second was refused as serving
+    another model. Now what must agree is compared: the vocabulary and the model's shape.
+    A model of the same tokenizer and another size (a random 2-layer Llama with the bundled
+    model's tokenizer.json) is still refused, naming what differs."""
+    from safetensors.torch import save_file
+
+    from tests.conftest import make_tiny_model
+
+    same = tmp_path / "smollm2-hf"  # (transformers' GGUF dequantisation, in HF form)
+    same.mkdir()
+    config = hf_smollm2.config.to_dict()  # type: ignore[attr-defined]
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf_smollm2).__name__]  # (None when read from a GGUF)
+    (same / "config.json").write_text(json.dumps(config))
+    weights = {  # (the tied head is the embedding, as HF checkpoints leave it out)
+        k: v.contiguous()
+        for k, v in hf_smollm2.state_dict().items()  # type: ignore[attr-defined]
+        if k != "lm_head.weight"
+    }
+    save_file(weights, str(same / "model.safetensors"))
+    hf_smollm2_tokenizer.save_pretrained(same)  # type: ignore[attr-defined]
+    other = tmp_path / "tiny-same-vocab"
+    make_tiny_model("llama", other, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+    hf_smollm2_tokenizer.save_pretrained(other)  # type: ignore[attr-defined]
+    cport, cmetrics, gport, hport, tport = (free_port() for _ in range(5))
+    control = f"127.0.0.1:{cport}"
+    gguf, hf, tiny = (f"127.0.0.1:{p}" for p in (gport, hport, tport))
+    log = tmp_path / "control.log"
+    url = f"http://127.0.0.1:{cmetrics}/metrics"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_infer.cli",
+        *_control_cmd(cport, cmetrics, f"{gguf},{hf},{tiny}"),
+    ]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(child(_compute_cmd(gport), gguf))
+        out = stack.enter_context(log.open("wb"))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+        stack.callback(stop_process, proc)
+        wait_serving(control, proc)  # (the GGUF's plane, the only one up)
+        stack.enter_context(child([*_compute_cmd(hport), "--model", str(same)], hf))
+        _wait_attached(url, hf)
+        stack.enter_context(child([*_compute_cmd(tport), "--model", str(other)], tiny))
+        refusal = _log_has(log, f"compute plane {tiny} not attached: ")
+        assert " ERROR " in refusal, refusal
+        assert f"serves {other.name} (layers 2), not " in refusal, refusal
+        assert f"(layers 30) as compute plane {gguf} does" in refusal, refusal
+        assert _metric(url, "hetero_compute_attached", compute=gguf) == 1
+        assert _metric(url, "hetero_compute_attached", compute=hf) == 1
+        assert _metric(url, "hetero_compute_attached", compute=tiny) == 0
+        # Both serve: enough requests at once that each plane takes some.
+        with grpc.insecure_channel(control) as ch, ThreadPoolExecutor(8) as pool:
+            stub = pb_grpc.ControlPlaneStub(ch)
+            outs = list(pool.map(lambda p: generate(stub, greedy(p, 4)), _prompts()[:8]))
+        assert all(len(o.tokens[0]) == 4 for o in outs)
+        assert _stats(hf).num_sampled_tokens > 0 and _stats(gguf).num_sampled_tokens > 0
+
+
+def test_an_unfit_compute_plane_leaves_its_place_under_max_compute_planes(
+    tmp_path: Path,
+) -> None:
+    """With --max-compute-planes 1 and the first compute plane listed serving another
+    model, the control plane passes it over (as one another control plane drives) and
+    attaches the next one listed. The unfit one held the only place: the control plane
+    exited at start-up, or, once serving, never drove a plane again."""
+    cport, cmetrics, gemma_port, smol_port = (free_port() for _ in range(4))
+    control = f"127.0.0.1:{cport}"
+    gemma, smol = f"127.0.0.1:{gemma_port}", f"127.0.0.1:{smol_port}"
+    listing = tmp_path / "compute.txt"
+    listing.write_text(f"{gemma}\n{smol}\n")
+    log = tmp_path / "control.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_infer.cli",
+        *_control_cmd(cport, cmetrics, f"file:{listing}", "--compute-resolve-interval", "0.3"),
+        "--max-compute-planes",
+        "1",
+    ]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(child([*_compute_cmd(gemma_port), "--model", "gemma3"], gemma))
+        stack.enter_context(child(_compute_cmd(smol_port), smol))
+        out = stack.enter_context(log.open("wb"))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
+        stack.callback(stop_process, proc)
+        wait_serving(control, proc)
+        url = f"http://127.0.0.1:{cmetrics}/metrics"
+        assert _metric(url, "hetero_compute_attached", compute=smol) == 1
+        assert f"compute plane {gemma} not attached: " in log.read_text()
+        with grpc.insecure_channel(control) as ch:
+            assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
