@@ -495,6 +495,7 @@ class ControlEngine:
         )
         self._trace(stream, traceparent, max_tokens)
         _queue(sched, stream)
+        plane.observe_queue()
         self._count_routed(plane, reason)  # (a request refused above was placed nowhere)
         self._settle(stream, plane)
         plain = len(stream.choices) == 1 and not (
@@ -555,6 +556,7 @@ class ControlEngine:
         for c in stream.choices:
             if not c.finished and sched is not None:
                 sched.abort(c.request.request_id)
+        plane.observe_queue()
         plane.wake()
 
     def _fail_stream(self, stream: GenerateStream, error: Exception) -> None:

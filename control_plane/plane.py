@@ -715,6 +715,14 @@ class ComputePlane:
         if self._held:
             self._next_suspect()
 
+    def observe_queue(self) -> None:
+        """The running and waiting gauges as of now: a request placed or aborted between
+        steps (a CPU prefill step can take seconds) counts at once, not after the step."""
+        sched, lm = self.scheduler, self._loop_metrics
+        set_aside = len(self._parked) + len(self._held)
+        lm.running.set(len(sched.running) if sched is not None else 0)
+        lm.waiting.set((len(sched.waiting) if sched is not None else 0) + set_aside)
+
     def _observe_pool(self) -> None:
         """Gauges and the counters the scheduler keeps, pushed to Prometheus. Without a
         compute plane nothing runs: the requests kept for it wait (moved, they count on

@@ -149,3 +149,43 @@ def test_a_failed_compute_planes_gauges_count_nothing_running(smollm2_path: Path
             await control.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_the_waiting_gauge_counts_a_request_when_it_is_placed_and_aborted(
+    smollm2_path: Path,
+) -> None:
+    """hetero_requests_waiting was set after each step only: a request placed while a step
+    ran (a CPU prefill can take seconds) was not counted until that step ended, nor one
+    aborted from the queue uncounted. A scrape between two steps reads the queue as it is."""
+
+    async def main() -> None:
+        engine = Engine(
+            ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
+            load_model(smollm2_path, progress=False),
+        )
+        link = InProcessLink(engine.describe, engine.step, on_attach=engine.reset)
+        config = ControlConfig(model=str(smollm2_path), metrics_port=-1)
+        control = ControlEngine(config, load_tokenizer(smollm2_path), link, "waiting-now")
+        await control.start()
+        labels = {"model_name": "waiting-now", "compute": link.address}
+
+        def waiting() -> float | None:
+            return REGISTRY.get_sample_value("hetero_requests_waiting", labels)
+
+        try:
+            await control.attached.wait()
+            assert waiting() == 0
+            # (submit does not yield: no step runs between these lines)
+            a = control.submit([504, 3458, 281], PARAMS)
+            assert waiting() == 1
+            b = control.submit([504, 3458, 282], PARAMS)
+            assert waiting() == 2
+            control.abort(b)
+            assert waiting() == 1
+            assert len(await stream_tokens(a)) == 4  # type: ignore[arg-type]
+            assert waiting() == 0
+        finally:
+            await control.stop()
+
+    asyncio.run(main())
