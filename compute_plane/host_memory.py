@@ -65,9 +65,10 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def check_kv_budget(budget: int) -> None:
-    """ValueError naming --kv-cache-bytes when `budget` bytes are more than this process
-    has available (nothing when that is unknown)."""
+def check_kv_budget(budget: int, planes: int = 1) -> None:
+    """ValueError naming --kv-cache-bytes when `budget` bytes (for each of `planes` compute
+    planes on this machine: `serve --compute-planes`) are more than this process has
+    available (nothing when that is unknown)."""
     sources = {
         "MemAvailable in /proc/meminfo": mem_available(),
         "what the cgroup's memory limit leaves": cgroup_memory_left(),
@@ -76,11 +77,16 @@ def check_kv_budget(budget: int) -> None:
     if not known:
         return
     what, available = min(known.items(), key=lambda item: item[1])
-    if budget > available:
+    total = budget * planes
+    if total > available:
+        asked, lower = f"--kv-cache-bytes {budget} ({_gib(budget)})", "--kv-cache-bytes"
+        if planes > 1:
+            asked = f"--compute-planes {planes} x {asked} = {total} bytes ({_gib(total)})"
+            lower += " or --compute-planes"
         raise ValueError(
-            f"--kv-cache-bytes {budget} ({_gib(budget)}) is more than the memory available, "
+            f"{asked} is more than the memory available, "
             f"{available} bytes ({_gib(available)}: {what}); the OOM killer would end the "
-            "compute plane as the cache fills: lower --kv-cache-bytes"
+            f"compute plane as the cache fills: lower {lower}"
         )
 
 

@@ -124,6 +124,8 @@ def _serve(args: argparse.Namespace) -> int:
         compute_args += ["--max-speculative-tokens", k]
     if args.draft_model:
         compute_args += ["--draft-model", args.draft_model]
+    if args.compute_planes > 1:
+        _check_kv_caches(args.compute_planes, compute_args)
     return serve_stack(
         args.model,
         args.host,
@@ -134,6 +136,27 @@ def _serve(args: argparse.Namespace) -> int:
         control_args=tuple(control_args),
         num_compute=args.compute_planes,
     )
+
+
+def _check_kv_caches(planes: int, compute_args: list[str]) -> None:
+    """CPU compute planes started together: their KV caches must fit the memory together
+    (each plane checks its own at load, when the others' pools, mapped lazily, hold
+    nothing yet: the OOM killer came later, as the caches filled)."""
+    from compute_plane.config import ComputeConfig
+    from compute_plane.host_memory import check_kv_budget
+
+    config = config_from_args(
+        ComputeConfig, build_parser().parse_args(["compute-plane", *compute_args])
+    )
+    if config.device.startswith("cuda") or (config.device == "auto" and _cuda()):
+        return  # (sized from the GPU's free memory, not --kv-cache-bytes)
+    check_kv_budget(config.kv_cache_bytes, planes)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -317,3 +317,26 @@ def test_a_killed_serve_takes_its_planes_with_it() -> None:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_serve_refuses_compute_planes_whose_kv_caches_together_pass_the_memory() -> None:
+    # Each of two planes' caches fits alone (0.6 of MemAvailable): each plane's own check
+    # passed, both served, and the OOM killer came once the caches filled.
+    available = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemAvailable:")
+    )
+    each = int(available * 0.6)
+    r = _run(
+        "serve",
+        "--port",
+        str(free_port()),
+        "--compute-planes",
+        "2",
+        f"--compute-arg=--kv-cache-bytes={each}",
+        timeout=60,
+    )
+    _refused(r, f"--compute-planes 2 x --kv-cache-bytes {each} (")
+    assert "lower --kv-cache-bytes or --compute-planes" in r.stderr, r.stderr
+    assert "compute plane listening" not in r.stderr  # (refused before any started)
