@@ -289,7 +289,11 @@ class Engine:
         else:
             check_kv_budget(config.kv_cache_bytes)  # (the weights are in memory by now)
             num_blocks = num_blocks_for_budget(
-                cfg, self.block_size, self.dtype, int(config.kv_cache_bytes * share)
+                cfg,
+                self.block_size,
+                self.dtype,
+                config.kv_cache_bytes,
+                None if draft is None else draft[0].cfg,
             )
             max_len = min(max_len, (num_blocks - 1) * self.block_size)
             model = self._model(weights, max_len, kernels)

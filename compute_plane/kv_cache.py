@@ -17,14 +17,23 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 def num_blocks_for_budget(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget: int
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    budget: int,
+    draft: ModelConfig | None = None,
 ) -> int:
-    """How many blocks (null block 0 included) fit in `budget` bytes; at least 2 are needed."""
-    n = budget // bytes_per_block(cfg, block_size, dtype)
+    """How many blocks (null block 0 included) fit in `budget` bytes (--kv-cache-bytes),
+    with a `draft` model's cache holding as many blocks beside; at least 2 are needed."""
+    per_block = bytes_per_block(cfg, block_size, dtype)
+    if draft is not None:
+        per_block += bytes_per_block(draft, block_size, dtype)
+    n = budget // per_block
     if n < 2:
+        also = " (the draft model's included)" if draft is not None else ""
         raise ValueError(
-            f"kv_cache_bytes={budget} holds {n} block(s) of "
-            f"{bytes_per_block(cfg, block_size, dtype)} bytes; at least 2 are needed"
+            f"--kv-cache-bytes {budget} holds {n} block(s) of {per_block} bytes{also}; "
+            f"at least 2 are needed: --kv-cache-bytes >= {2 * per_block}"
         )
     return int(n)
 

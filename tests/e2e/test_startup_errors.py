@@ -197,6 +197,8 @@ def test_generate_names_why_its_quiet_plane_failed(tmp_path: Path) -> None:
         ("--num-threads=-3", "--num-threads must be >= 1, got -3"),
         # mmap's OSError (ENOMEM) traceback: more than the kernel will map.
         ("--kv-cache-bytes=100000000000000000", "--kv-cache-bytes 100000000000000000 ("),
+        # Named the field (kv_cache_bytes=1000): 2 x 30 layers x 16 x 3 KV heads x 64 x 4 B.
+        ("--kv-cache-bytes=1000", "--kv-cache-bytes 1000 holds 0 block(s) of 737280 bytes;"),
     ],
 )
 def test_compute_plane_sizes_it_cannot_have_are_named(flag: str, message: str) -> None:
