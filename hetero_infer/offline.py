@@ -3,8 +3,14 @@
 The control plane's engine (tokenizer, scheduler, block manager, detokenizer, stop
 strings) drives the compute engine directly: same code as serving, minus gRPC and HTTP.
 
-    llm = OfflineLLM("default")
-    outs = llm.generate([[1, 2, 3]], [GenerationParams(max_tokens=8, temperature=0)])
+    with OfflineLLM("default") as llm:
+        outs = llm.generate(["The capital of France is"], GenerationParams(max_tokens=8))
+        chats = llm.chat([{"role": "user", "content": "Hi!"}], GenerationParams(max_tokens=8))
+
+As vLLM's `LLM`: `generate` takes one prompt or a list, and one GenerationParams for
+all, one per prompt, or None (defaults); `chat` renders each conversation with the
+model's chat template (the control plane's own code, as a chat request is). Unlike vLLM's
+SamplingParams, an unset max_tokens means up to the context (control.proto's meaning).
 """
 
 from __future__ import annotations
@@ -12,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
@@ -80,18 +86,86 @@ class OfflineLLM:
         # One generate at a time: each attaches its own control engine to self.engine,
         # resetting it, so a second one running beside it lost the first one's requests.
         self._running = threading.Lock()
+        self._closed = False
 
     def generate(
-        self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
+        self,
+        prompts: str | Sequence[str | list[int]],
+        params: pb.GenerationParams | Sequence[pb.GenerationParams] | None = None,
     ) -> list[Completion]:
         """Run every prompt to the end, all admitted at once (the waiting queue is made to
         hold them, as vLLM's LLM.generate takes any number); results in prompt order.
-        Each prompt is a string or a list of token ids; TypeError / ValueError name the
-        one that is not, or a count of params that does not match (AdmissionError, a
-        ValueError, for a prompt or params the engine refuses: `prompts[i]: ...`, raised
-        before any prompt runs). Calls from several threads run one after another."""
+        Each prompt is a string or a list of token ids (a single string: one prompt);
+        `params` one GenerationParams for every prompt, one per prompt, or None (the
+        defaults). TypeError / ValueError name a prompt or params that is neither, or a
+        count of params that does not match (AdmissionError, a ValueError, for a prompt
+        or params the engine refuses: `prompts[i]: ...`, raised before any prompt runs).
+        Calls from several threads run one after another."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return self._run(prompts, _per_prompt(params, len(prompts) if _is_list(prompts) else 0))
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        params: pb.GenerationParams | Sequence[pb.GenerationParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[Completion]:
+        """`generate` on conversations: one (a list of {"role", "content", ...} messages)
+        or a list of them, each rendered with the model's chat template as the control
+        plane renders a chat request (`tools` and `chat_template_kwargs` as there).
+        ChatTemplateError (a ValueError) names the conversation and message it refuses:
+        `conversations[1]: messages[2]: ...`."""
+        if self._closed:
+            raise RuntimeError("OfflineLLM is closed")
+        one = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
+        chats = [messages] if one else messages
+        if isinstance(chats, str | bytes) or not isinstance(chats, Sequence):
+            raise TypeError(
+                "messages must be a conversation (a list of message dicts) or a list of "
+                f"them, got {type(messages).__name__}"
+            )
+        prompts: list[str | list[int]] = []
+        for i, chat in enumerate(chats):
+            where = "" if one else f"conversations[{i}]: "
+            if isinstance(chat, str | bytes) or not isinstance(chat, Sequence) or not chat:
+                raise TypeError(f"{where}a conversation is a non-empty list of message dicts")
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    [dict(m) for m in chat],  # type: ignore[arg-type]
+                    add_generation_prompt,
+                    tools,
+                    continue_final_message=continue_final_message,
+                    kwargs=dict(chat_template_kwargs or {}),
+                )
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{where}{e}") from None
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._run(prompts, _per_prompt(params, len(prompts)))
+
+    def close(self) -> None:
+        """Free the model and its KV cache; generate and chat raise RuntimeError after."""
+        with self._running:
+            self._closed = True
+            self.engine = None  # type: ignore[assignment]
+
+    def __enter__(self) -> OfflineLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(
+        self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
+    ) -> list[Completion]:
         _check(prompts, params)
         with self._running:
+            if self._closed:
+                raise RuntimeError("OfflineLLM is closed")
             return asyncio.run(self._generate(prompts, params))
 
     async def _generate(
@@ -124,6 +198,26 @@ class OfflineLLM:
             await control.stop()
 
 
+def _is_list(prompts: object) -> bool:
+    return isinstance(prompts, Sequence) and not isinstance(prompts, str | bytes)
+
+
+def _per_prompt(params: object, n: int) -> Any:
+    """One GenerationParams per prompt: `params` itself when a list (checked by _check),
+    one for each when one, the defaults when None."""
+    if params is None:
+        return [pb.GenerationParams() for _ in range(n)]
+    if isinstance(params, pb.GenerationParams):
+        return [_copy(params) for _ in range(n)]
+    return params
+
+
+def _copy(params: pb.GenerationParams) -> pb.GenerationParams:
+    out = pb.GenerationParams()
+    out.CopyFrom(params)
+    return out
+
+
 def _check(prompts: object, params: object) -> None:
     """Refuse what would otherwise be read wrongly: a string for the list (one prompt per
     character), bytes (their values as token ids), ids that are not ints."""
@@ -131,7 +225,10 @@ def _check(prompts: object, params: object) -> None:
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     if not isinstance(params, Sequence) or len(params) != len(prompts):
         n = len(params) if isinstance(params, Sequence) else type(params).__name__
-        raise ValueError(f"one GenerationParams per prompt: {len(prompts)} prompts, params {n}")
+        raise ValueError(
+            f"params: one GenerationParams, one per prompt or None: {len(prompts)} prompts, "
+            f"params {n}"
+        )
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             continue

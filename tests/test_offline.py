@@ -44,12 +44,18 @@ def test_prompts_and_params_that_would_be_misread_are_refused(smollm2_path: Path
     llm = OfflineLLM(str(smollm2_path))
     p = pb.GenerationParams(max_tokens=2, temperature=0.0)
     for prompts, params, error, message in [
-        ("hi", [p, p], TypeError, "prompts must be a list of prompts, got str"),
+        ("hi", [p, p], ValueError, "1 prompts, params 2"),  # (one prompt, as vLLM's)
+        (b"hi", [p], TypeError, "prompts must be a list of prompts, got bytes"),
         ([b"hi"], [p], TypeError, r"prompts\[0\] must be a str or a list of token ids, got bytes"),
         (["a", 5], [p, p], TypeError, r"prompts\[1\] must be a str or a list of token ids"),
         ([[1, "a"]], [p], TypeError, r"prompts\[0\]: token ids must be ints, got 'a'"),
         ([[1, 2.0]], [p], TypeError, r"prompts\[0\]: token ids must be ints, got 2.0"),
-        (["a"], [], ValueError, "one GenerationParams per prompt: 1 prompts, params 0"),
+        (
+            ["a"],
+            [],
+            ValueError,
+            "one GenerationParams, one per prompt or None: 1 prompts, params 0",
+        ),
         (["a"], [{"max_tokens": 2}], TypeError, r"params\[0\] must be a GenerationParams"),
     ]:
         with pytest.raises(error, match=message):
@@ -158,3 +164,47 @@ def test_ctrl_c_during_generate_raises_at_once_and_the_engine_serves_on(
     assert time.monotonic() - sent[0] < 2.0
     (done,) = llm.generate(["Hi"], [pb.GenerationParams(max_tokens=2, temperature=0.0)])
     assert len(done.token_ids[0]) == 2
+
+
+def test_one_prompt_one_params_or_none_and_chats_as_vllms_llm_takes_them(
+    smollm2_path: Path, hf_smollm2_tokenizer: object
+) -> None:
+    """vLLM's LLM.generate takes a single prompt and a single params object (or None) as
+    well as lists, and LLM.chat renders conversations with the model's chat template. The
+    chat's prompt is the one transformers' apply_chat_template makes of the same messages
+    (an independent rendering of the GGUF's template); a message the template refuses is
+    named; a closed OfflineLLM says so."""
+    p = pb.GenerationParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with OfflineLLM(str(smollm2_path)) as llm:
+        (one,) = llm.generate("The capital of France is", p)
+        (listed,) = llm.generate(["The capital of France is"], [p])
+        assert one.token_ids == listed.token_ids and len(one.token_ids[0]) == 4
+        both = llm.generate(PROMPTS[:2], p)  # one params for every prompt
+        assert [c.token_ids for c in both] == [
+            c.token_ids for c in llm.generate(PROMPTS[:2], [p, p])
+        ]
+        chat = [
+            {"role": "system", "content": "You are brief."},
+            {"role": "user", "content": "Name a colour."},
+        ]
+        expected = hf_smollm2_tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+            chat, add_generation_prompt=True, tokenize=True
+        )
+        if hasattr(expected, "keys"):  # (newer transformers: a BatchEncoding)
+            expected = expected["input_ids"]
+        (c,) = llm.chat(chat, p)
+        assert c.prompt_token_ids == list(expected)
+        assert len(c.token_ids[0]) == 4
+        two = llm.chat([chat, chat[1:]], [p, p])
+        assert two[0].prompt_token_ids == list(expected)
+        assert two[0].token_ids == c.token_ids and len(two) == 2
+        (answer,) = llm.chat(chat)  # the defaults: greedy (the model's), to its end of turn
+        assert answer.finish_reasons == [pb.FINISH_REASON_STOP], answer.texts
+        with pytest.raises(ValueError, match=r"^conversations\[1\]: messages\[0\]"):
+            llm.chat([chat, [{"role": "user", "content": 5}]], p)  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="a conversation is a non-empty list"):
+            llm.chat([chat, []], p)
+    with pytest.raises(RuntimeError, match="OfflineLLM is closed"):
+        llm.generate("hi", p)
+    with pytest.raises(RuntimeError, match="OfflineLLM is closed"):
+        llm.chat(chat, p)
