@@ -34,21 +34,29 @@ def _routed() -> float:
     )
 
 
+def _on_the_bundled_model(
+    smollm2_path: Path, model_name: str = "unknown", **control: object
+) -> tuple[ControlEngine, InProcessLink]:
+    """A control engine (not started) driving the bundled model's compute engine in this
+    process, with `control` set in its ControlConfig."""
+    engine = Engine(
+        ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
+        load_model(smollm2_path, progress=False),
+    )
+    link = InProcessLink(engine.describe, engine.step, on_attach=engine.reset)
+    config = ControlConfig(model=str(smollm2_path), metrics_port=-1, **control)  # type: ignore[arg-type]
+    return ControlEngine(config, load_tokenizer(smollm2_path), link, model_name), link
+
+
 @pytest.mark.timeout(120)
 def test_a_refused_request_is_not_counted_as_routed(smollm2_path: Path) -> None:
     async def main() -> None:
-        engine = Engine(
-            ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
-            load_model(smollm2_path, progress=False),
-        )
-        link = InProcessLink(engine.describe, engine.step, on_attach=engine.reset)
-        config = ControlConfig(model=str(smollm2_path), metrics_port=-1, max_waiting=1)
-        control = ControlEngine(config, load_tokenizer(smollm2_path), link)
+        control, _ = _on_the_bundled_model(smollm2_path, max_waiting=1)
         await control.start()
         try:
             await control.attached.wait()
             before = _routed()
-            too_long = [504] * (engine.describe().max_model_len + 1)
+            too_long = [504] * (control.plane.description.max_model_len + 1)  # type: ignore[union-attr]
             with pytest.raises(AdmissionError):
                 control.submit(too_long, PARAMS)
             with pytest.raises(AdmissionError):
@@ -85,13 +93,7 @@ def test_counters_read_zero_before_their_first_event(smollm2_path: Path, tmp_pat
         assert REGISTRY.get_sample_value("hetero_compute_failed_requests_total", labels) == 0
 
     async def main() -> None:
-        engine = Engine(
-            ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
-            load_model(smollm2_path, progress=False),
-        )
-        link = InProcessLink(engine.describe, engine.step, on_attach=engine.reset)
-        config = ControlConfig(model=str(smollm2_path), metrics_port=-1)
-        control = ControlEngine(config, load_tokenizer(smollm2_path), link, "zero-start")
+        control, link = _on_the_bundled_model(smollm2_path, "zero-start")
         await control.start()
         try:
             await control.attached.wait()
@@ -160,13 +162,7 @@ def test_the_waiting_gauge_counts_a_request_when_it_is_placed_and_aborted(
     aborted from the queue uncounted. A scrape between two steps reads the queue as it is."""
 
     async def main() -> None:
-        engine = Engine(
-            ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
-            load_model(smollm2_path, progress=False),
-        )
-        link = InProcessLink(engine.describe, engine.step, on_attach=engine.reset)
-        config = ControlConfig(model=str(smollm2_path), metrics_port=-1)
-        control = ControlEngine(config, load_tokenizer(smollm2_path), link, "waiting-now")
+        control, link = _on_the_bundled_model(smollm2_path, "waiting-now")
         await control.start()
         labels = {"model_name": "waiting-now", "compute": link.address}
 

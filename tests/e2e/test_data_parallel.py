@@ -374,17 +374,9 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
     smol_port, gemma_port = free_port(), free_port()
     smol, gemma = f"127.0.0.1:{smol_port}", f"127.0.0.1:{gemma_port}"
     log = tmp_path / "control.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_infer.cli",
-        *_control_cmd(cport, cmetrics, f"{smol},{gemma}"),
-    ]
     with contextlib.ExitStack() as stack:
         stack.enter_context(child(_compute_cmd(smol_port), smol))
-        out = stack.enter_context(log.open("wb"))
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-        stack.callback(stop_process, proc)
+        proc = _logged_control(stack, log, cport, cmetrics, f"{smol},{gemma}")
         wait_serving(control, proc)
         # (started after the control plane attached SmolLM2: met second)
         stack.enter_context(child([*_compute_cmd(gemma_port), "--model", "gemma3"], gemma))
@@ -398,6 +390,24 @@ def test_a_compute_plane_serving_another_model_is_refused_and_left_free(tmp_path
         assert _metric(url, "hetero_compute_attached", compute=gemma) == 0
         with grpc.insecure_channel(control) as ch:  # the first control plane still serves
             assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
+
+
+def _logged_control(
+    stack: contextlib.ExitStack, log: Path, port: int, metrics_port: int, compute: str, *extra: str
+) -> subprocess.Popen[bytes]:
+    """A control plane whose log goes to `log`, stopped with `stack` (waiting for it to
+    serve is the caller's: some wait for it not to)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_infer.cli",
+        *_control_cmd(port, metrics_port, compute, *extra),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=stack.enter_context(log.open("wb"))
+    )
+    stack.callback(stop_process, proc)
+    return proc
 
 
 def _refused(
@@ -435,17 +445,9 @@ def test_a_compute_plane_restarted_with_another_model_is_refused_and_left_free(
     control, compute = f"127.0.0.1:{cport}", f"127.0.0.1:{kport}"
     log = tmp_path / "control.log"
     url = f"http://127.0.0.1:{cmetrics}/metrics"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_infer.cli",
-        *_control_cmd(cport, cmetrics, compute, "--model", str(folder)),
-    ]
     with contextlib.ExitStack() as stack:
         with child(_compute_cmd(kport), compute):
-            out = stack.enter_context(log.open("wb"))
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-            stack.callback(stop_process, proc)
+            proc = _logged_control(stack, log, cport, cmetrics, compute, "--model", str(folder))
             wait_serving(control, proc)
             with grpc.insecure_channel(control) as ch:
                 assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
@@ -488,17 +490,9 @@ def test_an_unfit_compute_plane_met_first_does_not_stop_the_start_up(tmp_path: P
     control = f"127.0.0.1:{cport}"
     gemma, smol = f"127.0.0.1:{gemma_port}", f"127.0.0.1:{smol_port}"
     log = tmp_path / "control.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_infer.cli",
-        *_control_cmd(cport, cmetrics, f"{gemma},{smol}"),
-    ]
     with contextlib.ExitStack() as stack:
         stack.enter_context(child([*_compute_cmd(gemma_port), "--model", "gemma3"], gemma))
-        out = stack.enter_context(log.open("wb"))
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-        stack.callback(stop_process, proc)
+        proc = _logged_control(stack, log, cport, cmetrics, f"{gemma},{smol}")
         refusal = _log_has(log, " not attached: ")
         assert f"compute plane {gemma} not attached: " in refusal, refusal
         time.sleep(1.0)  # (it exited within a few ms of that line)
@@ -545,17 +539,9 @@ def test_the_same_model_in_another_form_attaches_beside_it_another_size_does_not
     gguf, hf, tiny = (f"127.0.0.1:{p}" for p in (gport, hport, tport))
     log = tmp_path / "control.log"
     url = f"http://127.0.0.1:{cmetrics}/metrics"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_infer.cli",
-        *_control_cmd(cport, cmetrics, f"{gguf},{hf},{tiny}"),
-    ]
     with contextlib.ExitStack() as stack:
         stack.enter_context(child(_compute_cmd(gport), gguf))
-        out = stack.enter_context(log.open("wb"))
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-        stack.callback(stop_process, proc)
+        proc = _logged_control(stack, log, cport, cmetrics, f"{gguf},{hf},{tiny}")
         wait_serving(control, proc)  # (the GGUF's plane, the only one up)
         stack.enter_context(child([*_compute_cmd(hport), "--model", str(same)], hf))
         _wait_attached(url, hf)
@@ -588,20 +574,20 @@ def test_an_unfit_compute_plane_leaves_its_place_under_max_compute_planes(
     listing = tmp_path / "compute.txt"
     listing.write_text(f"{gemma}\n{smol}\n")
     log = tmp_path / "control.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_infer.cli",
-        *_control_cmd(cport, cmetrics, f"file:{listing}", "--compute-resolve-interval", "0.3"),
-        "--max-compute-planes",
-        "1",
-    ]
     with contextlib.ExitStack() as stack:
         stack.enter_context(child([*_compute_cmd(gemma_port), "--model", "gemma3"], gemma))
         stack.enter_context(child(_compute_cmd(smol_port), smol))
-        out = stack.enter_context(log.open("wb"))
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
-        stack.callback(stop_process, proc)
+        proc = _logged_control(
+            stack,
+            log,
+            cport,
+            cmetrics,
+            f"file:{listing}",
+            "--compute-resolve-interval",
+            "0.3",
+            "--max-compute-planes",
+            "1",
+        )
         wait_serving(control, proc)
         url = f"http://127.0.0.1:{cmetrics}/metrics"
         assert _metric(url, "hetero_compute_attached", compute=smol) == 1
