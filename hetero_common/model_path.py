@@ -102,6 +102,10 @@ def gemma3_gguf(cache_dir: Path | None = None) -> Path:
 def resolve_model_path(model: str | Path) -> Path:
     """`default` -> the bundled GGUF; `gemma3` -> Gemma 3 270M from its packages;
     otherwise an existing folder or .gguf file."""
+    if not isinstance(model, str | Path):
+        raise TypeError(f"model must be a path or a name, got {type(model).__name__}")
+    if not str(model).strip():  # (Path("") is the current folder)
+        raise ModelNotFoundError("model is empty: give a path, 'default' or 'gemma3'")
     if str(model) == DEFAULT_MODEL:
         return bundled_gguf()
     if str(model) == GEMMA3_MODEL:

@@ -208,3 +208,13 @@ def test_one_prompt_one_params_or_none_and_chats_as_vllms_llm_takes_them(
         llm.generate("hi", p)
     with pytest.raises(RuntimeError, match="OfflineLLM is closed"):
         llm.chat(chat, p)
+
+
+def test_an_empty_or_mistyped_model_is_refused_by_name() -> None:
+    """OfflineLLM("") loaded from the current folder (Path("") is "."), reporting a
+    missing tokenizer.json there; OfflineLLM(5) was os.fspath's bare TypeError."""
+    for model in ("", "  "):
+        with pytest.raises(FileNotFoundError, match=r"^model is empty: give a path"):
+            OfflineLLM(model)
+    with pytest.raises(TypeError, match=r"^model must be a path or a name, got int"):
+        OfflineLLM(5)  # type: ignore[arg-type]
