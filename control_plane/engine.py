@@ -156,8 +156,12 @@ class ControlEngine:
         spec = self.config.compute
         if (found := static_addresses(spec)) is not None:
             self._update_planes(found)
-            return
-        self._update_planes(await resolve(spec) or {})
+            if not self.config.max_compute_planes or len(found) <= self.config.max_compute_planes:
+                return
+            # (more than the cap: the list is gone through again, so that a plane passed
+            # over, another control plane's or unfit, makes room for the next one listed)
+        else:
+            self._update_planes(await resolve(spec) or {})
         self._discovery = asyncio.create_task(self._discover(), name="compute-discovery")
 
     async def stop(self) -> None:

@@ -1,0 +1,137 @@
+"""Which of the compute planes listed a control plane attaches: stand-in compute planes on
+real gRPC servers (Describe, Reset and an idle Run stream), with the bundled model's
+tokenizer; no model is loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from control_plane.config import ControlConfig
+from control_plane.engine import ControlEngine
+from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from hetero_proto import compute_pb2 as pb
+from hetero_proto import compute_pb2_grpc as pb_grpc
+
+
+class _Compute(pb_grpc.ComputePlaneServicer):
+    """Describes itself as `description`; a Reset takes `reset_delay` s (loading state, a
+    slow link)."""
+
+    def __init__(self, description: pb.DescribeResponse, reset_delay: float = 0.0) -> None:
+        self.description = description
+        self.reset_delay = reset_delay
+        self.resets = 0
+
+    async def Describe(self, request: pb.DescribeRequest, context: object) -> pb.DescribeResponse:
+        return self.description
+
+    async def Reset(self, request: pb.ResetRequest, context: object) -> pb.ResetResponse:
+        self.resets += 1
+        await asyncio.sleep(self.reset_delay)
+        return pb.ResetResponse()
+
+    async def Run(
+        self, request_iterator: AsyncIterator[pb.StepRequest], context: object
+    ) -> AsyncIterator[pb.StepResult]:
+        async for _ in request_iterator:  # (idle: no request is sent here)
+            pass
+        return
+        yield pb.StepResult()  # (a generator: never reached)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: Path) -> TokenizerWrapper:
+    return load_tokenizer(smollm2_path)
+
+
+def _describe(
+    tok: TokenizerWrapper, layers: int = 30, other_vocab: bool = False
+) -> pb.DescribeResponse:
+    """The bundled model's shape (`layers` changed: another size of it), its vocabulary
+    or (`other_vocab`) another one of the same size."""
+    fingerprint = tok.vocab_fingerprint
+    return pb.DescribeResponse(
+        model_name=f"llama-{layers}",
+        architecture="llama",
+        device="cpu",
+        block_size=16,
+        num_kv_blocks=64,
+        max_model_len=512,
+        vocab_size=49152,
+        eos_token_ids=[2],
+        num_layers=layers,
+        num_attention_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        hidden_size=576,
+        vocab_fingerprint=bytes(len(fingerprint)) if other_vocab else fingerprint,
+    )
+
+
+@contextlib.asynccontextmanager
+async def _planes(*servicers: _Compute) -> AsyncIterator[list[str]]:
+    """Each servicer on a free local port: their addresses."""
+    servers, addresses = [], []
+    for servicer in servicers:
+        server = grpc.aio.server()
+        pb_grpc.add_ComputePlaneServicer_to_server(servicer, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    try:
+        yield addresses
+    finally:
+        for server in servers:
+            await server.stop(None)
+
+
+async def _attached(
+    tok: TokenizerWrapper, smollm2_path: Path, servicers: list[_Compute], **config: object
+) -> dict[str, bool]:
+    """Which compute planes a control plane listing them all (IP addresses: not read
+    again) attached, a second after the first one was."""
+    async with _planes(*servicers) as addresses:
+        cfg = ControlConfig(
+            model=str(smollm2_path),
+            metrics_port=-1,
+            compute=",".join(addresses),
+            **config,  # type: ignore[arg-type]
+        )
+        control = ControlEngine(cfg, tok)
+        await control.start()
+        try:
+            await asyncio.wait_for(control.first_attached(), 10)
+            await asyncio.sleep(1.0)
+            return {
+                a: control.planes[a].attached.is_set() for a in addresses if a in control.planes
+            }
+        finally:
+            await control.stop()
+
+
+def test_an_unfit_plane_of_a_fixed_list_leaves_its_place_under_max_compute_planes(
+    tokenizer: TokenizerWrapper, smollm2_path: Path
+) -> None:
+    """--compute A,B (IP addresses) with --max-compute-planes 1 and A serving another
+    model: A is passed over and B attached, as with a host name or a file. A fixed list
+    was never gone through again, so A held the only place: the control plane neither
+    served nor stopped (before an unfit plane was passed over, it stopped, exit 2)."""
+    unfit = _Compute(_describe(tokenizer, other_vocab=True))
+    fit = _Compute(_describe(tokenizer))
+    attached = asyncio.run(
+        _attached(
+            tokenizer,
+            smollm2_path,
+            [unfit, fit],
+            max_compute_planes=1,
+            compute_resolve_interval=0.2,
+        )
+    )
+    assert list(attached.values()) == [True], attached
+    assert unfit.resets == 0  # (never attached, nor reset)
