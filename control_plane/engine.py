@@ -263,10 +263,13 @@ class ControlEngine:
         """PlaneUnfit for a compute plane that serves another model than the compute planes
         attached, or a model this control plane's tokenizer is not of: their vocabularies
         differ (hetero_common.vocab; the same model in another form, GGUF or HF folder,
-        quantized or not, has the same)."""
+        quantized or not, has the same). Those attached include any another check passed
+        that is still attaching (else two planes of different models, met at once, both
+        attached)."""
         for other in self.planes.values():
-            od = other.description
-            if other is not plane and other.attached.is_set() and od is not None:
+            od = other.checked if other.checked is not None else other.description
+            serves = other.attached.is_set() or other.checked is not None
+            if other is not plane and serves and od is not None:
                 mine, theirs = model_shape(d), model_shape(od)
                 for key in mine:
                     if mine[key] != theirs[key]:
@@ -289,6 +292,7 @@ class ControlEngine:
                 f"{d.model_name}, whose vocabulary is not this tokenizer's ({same} of "
                 f"{compared} blocks of {vocab.BLOCK} token ids agree)"
             )
+        plane.checked = d
 
     @property
     def plane(self) -> ComputePlane | None:

@@ -133,6 +133,9 @@ class ComputePlane:
         self.address = link.address
         self.scheduler: Scheduler | None = None
         self.description: cpb.DescribeResponse | None = None
+        # While attaching: its description, once the engine's check_model passed it (until
+        # attached or refused; a plane attaching beside it is checked against it too).
+        self.checked: cpb.DescribeResponse | None = None
         self.attached = asyncio.Event()
         self._wake = asyncio.Event()
         self._step_id = 0
@@ -247,6 +250,12 @@ class ComputePlane:
         return ModelBounds(sched.max_model_len, d.vocab_size if d else 0, frozenset(eos))
 
     async def _attach(self) -> None:
+        try:
+            await self._attach_checked()
+        finally:
+            self.checked = None
+
+    async def _attach_checked(self) -> None:
         d = await self.client.attach(check=lambda d: self.engine.check_model(self, d))
         num_blocks = min(d.num_kv_blocks, self.engine.config.max_num_blocks or d.num_kv_blocks)
         max_len = min(d.max_model_len, self.engine.config.max_model_len or d.max_model_len)

@@ -27,6 +27,8 @@ class _Compute(pb_grpc.ComputePlaneServicer):
         self.description = description
         self.reset_delay = reset_delay
         self.resets = 0
+        self.steps = 0  # steps received (a step ends the stream with `die_at_step`)
+        self.die_at_step = False
 
     async def Describe(self, request: pb.DescribeRequest, context: object) -> pb.DescribeResponse:
         return self.description
@@ -37,10 +39,12 @@ class _Compute(pb_grpc.ComputePlaneServicer):
         return pb.ResetResponse()
 
     async def Run(
-        self, request_iterator: AsyncIterator[pb.StepRequest], context: object
+        self, request_iterator: AsyncIterator[pb.StepRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.StepResult]:
-        async for _ in request_iterator:  # (idle: no request is sent here)
-            pass
+        async for _ in request_iterator:  # (never answered)
+            self.steps += 1
+            if self.die_at_step:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the compute plane died")
         return
         yield pb.StepResult()  # (a generator: never reached)
 
@@ -74,20 +78,23 @@ def _describe(
     )
 
 
+async def _serve(servicer: _Compute, port: int = 0) -> tuple[grpc.aio.Server, str]:
+    """`servicer` on a local port (a free one by default) and its address."""
+    server = grpc.aio.server()
+    pb_grpc.add_ComputePlaneServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
 @contextlib.asynccontextmanager
 async def _planes(*servicers: _Compute) -> AsyncIterator[list[str]]:
     """Each servicer on a free local port: their addresses."""
-    servers, addresses = [], []
-    for servicer in servicers:
-        server = grpc.aio.server()
-        pb_grpc.add_ComputePlaneServicer_to_server(servicer, server)
-        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        await server.start()
-        servers.append(server)
+    served = [await _serve(servicer) for servicer in servicers]
     try:
-        yield addresses
+        yield [address for _, address in served]
     finally:
-        for server in servers:
+        for server, _ in served:
             await server.stop(None)
 
 
@@ -135,3 +142,19 @@ def test_an_unfit_plane_of_a_fixed_list_leaves_its_place_under_max_compute_plane
     )
     assert list(attached.values()) == [True], attached
     assert unfit.resets == 0  # (never attached, nor reset)
+
+
+def test_two_planes_of_different_models_met_at_once_are_not_both_attached(
+    tokenizer: TokenizerWrapper, smollm2_path: Path
+) -> None:
+    """Two compute planes of one tokenizer and two sizes (SmolLM2-135M's 30 layers, a
+    2-layer one) answer at once at start-up: the second checked is refused, as it is once
+    the first is attached. Each was checked against the planes attached only, and neither
+    was yet (a plane is attached once its Reset is answered): both were, and a request
+    moved between them went on with another model's weights."""
+    planes = [
+        _Compute(_describe(tokenizer), reset_delay=0.3),
+        _Compute(_describe(tokenizer, layers=2), reset_delay=0.3),
+    ]
+    attached = asyncio.run(_attached(tokenizer, smollm2_path, planes))
+    assert sorted(attached.values()) == [False, True], attached
