@@ -265,26 +265,35 @@ class ControlEngine:
         differ (hetero_common.vocab; the same model in another form, GGUF or HF folder,
         quantized or not, has the same). Those attached include any another check passed
         that is still attaching (else two planes of different models, met at once, both
-        attached)."""
+        attached) and any lost one, this one included, whose requests wait for it: they
+        would go on here."""
         for other in self.planes.values():
             od = other.checked if other.checked is not None else other.description
-            serves = other.attached.is_set() or other.checked is not None
-            if other is not plane and serves and od is not None:
-                mine, theirs = model_shape(d), model_shape(od)
-                for key in mine:
-                    if mine[key] != theirs[key]:
-                        raise PlaneUnfit(
-                            f"compute plane {plane.address} serves {d.model_name} "
-                            f"({key} {mine[key]}), not {od.model_name} ({key} {theirs[key]}) "
-                            f"as compute plane {other.address} does"
-                        )
-                if vocab.differ(od.vocab_fingerprint, d.vocab_fingerprint):
-                    raise PlaneUnfit(
-                        f"compute plane {plane.address} serves {d.model_name}, whose "
-                        f"vocabulary is not that of {od.model_name}, which compute plane "
-                        f"{other.address} serves"
+            attached = other.attached.is_set() or other.checked is not None
+            if od is None or not (other.load > 0 or (attached and other is not plane)):
+                continue
+            mine, theirs = model_shape(d), model_shape(od)
+            for key in mine:
+                if mine[key] != theirs[key]:
+                    does = (
+                        "as it did for the requests that wait for it"
+                        if other is plane
+                        else f"as compute plane {other.address} does"
                     )
-                break
+                    raise PlaneUnfit(
+                        f"compute plane {plane.address} serves {d.model_name} "
+                        f"({key} {mine[key]}), not {od.model_name} ({key} {theirs[key]}) {does}"
+                    )
+            if vocab.differ(od.vocab_fingerprint, d.vocab_fingerprint):
+                served = (
+                    "it served for the requests that wait for it"
+                    if other is plane
+                    else f"compute plane {other.address} serves"
+                )
+                raise PlaneUnfit(
+                    f"compute plane {plane.address} serves {d.model_name}, whose vocabulary "
+                    f"is not that of {od.model_name}, which {served}"
+                )
         if vocab.differ(self.vocab, d.vocab_fingerprint):
             same, compared = vocab.agreement(self.vocab, d.vocab_fingerprint)
             raise PlaneUnfit(

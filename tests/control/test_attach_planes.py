@@ -15,8 +15,11 @@ import pytest
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from hetero_infer.local import free_port
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
+from hetero_proto import control_pb2 as cpb
+from tests.control.streams import stream_tokens
 
 
 class _Compute(pb_grpc.ComputePlaneServicer):
@@ -158,3 +161,50 @@ def test_two_planes_of_different_models_met_at_once_are_not_both_attached(
     ]
     attached = asyncio.run(_attached(tokenizer, smollm2_path, planes))
     assert sorted(attached.values()) == [False, True], attached
+
+
+@pytest.mark.parametrize("where", ["another address", "its address"])
+def test_a_plane_of_another_model_does_not_take_the_requests_waiting_for_a_lost_one(
+    tokenizer: TokenizerWrapper, smollm2_path: Path, where: str
+) -> None:
+    """The only compute plane attached dies with a request in flight; the request waits
+    for it (--compute-timeout). A compute plane serving another size of the model comes
+    up, at another address listed or at the lost one's (restarted with another model):
+    it is not attached while the request waits. It was (no plane was attached to compare
+    it with), and the request went on there, its text continued by another model."""
+
+    async def run() -> tuple[bool, int]:
+        lost = _Compute(_describe(tokenizer))
+        lost.die_at_step = True
+        other = _Compute(_describe(tokenizer, layers=2))
+        server, address = await _serve(lost)
+        later = f"127.0.0.1:{free_port()}" if where == "another address" else address
+        cfg = ControlConfig(
+            model=str(smollm2_path),
+            metrics_port=-1,
+            compute=f"{address},{later}" if later != address else address,
+            compute_timeout=60.0,
+        )
+        control = ControlEngine(cfg, tokenizer)
+        await control.start()
+        other_server = None
+        try:
+            await asyncio.wait_for(control.first_attached(), 10)
+            params = cpb.GenerationParams(max_tokens=4, temperature=0.0)
+            waiting = asyncio.ensure_future(stream_tokens(control.submit([504, 3458], params)))
+            while not lost.steps:
+                await asyncio.sleep(0.02)
+            await server.stop(None)
+            other_server, _ = await _serve(other, int(later.rpartition(":")[2]))
+            await asyncio.sleep(1.5)
+            assert not waiting.done()
+            waiting.cancel()
+            return control.planes[later].attached.is_set(), other.steps
+        finally:
+            await control.stop()
+            if other_server is not None:
+                await other_server.stop(None)
+
+    attached, steps = asyncio.run(run())
+    assert not attached
+    assert steps == 0
