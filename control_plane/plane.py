@@ -341,6 +341,9 @@ class ComputePlane:
         while True:
             try:
                 if not self.attached.is_set():
+                    if self.leaving and not self._parked and not self._held:
+                        self.engine.plane_gone(self)  # (passed over, or gone from the list)
+                        return
                     await self._attach()
                     backoff = 0.2
                 await self._loop()

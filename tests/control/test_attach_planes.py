@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -126,7 +127,7 @@ async def _attached(
 
 
 def test_an_unfit_plane_of_a_fixed_list_leaves_its_place_under_max_compute_planes(
-    tokenizer: TokenizerWrapper, smollm2_path: Path
+    tokenizer: TokenizerWrapper, smollm2_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """--compute A,B (IP addresses) with --max-compute-planes 1 and A serving another
     model: A is passed over and B attached, as with a host name or a file. A fixed list
@@ -145,6 +146,10 @@ def test_an_unfit_plane_of_a_fixed_list_leaves_its_place_under_max_compute_plane
     )
     assert list(attached.values()) == [True], attached
     assert unfit.resets == 0  # (never attached, nor reset)
+    # One ERROR line: passed over, it was tried once more before it left (a second line,
+    # refused then by the plane attached meanwhile).
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
 
 
 def test_two_planes_of_different_models_met_at_once_are_not_both_attached(
