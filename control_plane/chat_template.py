@@ -84,6 +84,10 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (name, tool_calls, tool_call_id) pass through as the template expects them."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise ChatTemplateError(
+                f"messages[{i}] must be a message dict (role, content), got {type(m).__name__}"
+            )
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str):
             raise ChatTemplateError(f"messages[{i}].role must be a string")

@@ -612,12 +612,23 @@ def chat_messages(chat: pb.ChatInput) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.tool_calls_json:
             calls = _json(m.tool_calls_json, f"messages[{i}].tool_calls_json", list)
-            for c in calls:
-                fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise AdmissionError(f"messages[{i}].tool_calls: each needs function.name")
-                if isinstance(fn.get("arguments"), str):
-                    fn["arguments"] = _arguments(fn["arguments"], i)
-            msg["tool_calls"] = calls
+            msg["tool_calls"] = template_tool_calls(calls, i)
         out.append(msg)
+    return out
+
+
+def template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """Message i's tool calls as chat templates take them: a list, each with a
+    function.name, arguments sent as JSON text given as an object (transformers'
+    templates expect one). New dicts: the caller's are left as they were."""
+    if not isinstance(calls, list):
+        raise AdmissionError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise AdmissionError(f"messages[{i}].tool_calls: each needs function.name")
+        if isinstance(fn.get("arguments"), str):
+            fn = {**fn, "arguments": _arguments(fn["arguments"], i)}
+        out.append({**c, "function": fn})
     return out

@@ -32,6 +32,7 @@ from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError
+from control_plane.server import template_tool_calls
 from control_plane.tokenizer import load_tokenizer
 from hetero_common.accumulate import Accumulated
 from hetero_common.model_path import DEFAULT_MODEL, model_display_name, resolve_model_path
@@ -136,7 +137,7 @@ class OfflineLLM:
                 raise TypeError(f"{where}a conversation is a non-empty list of message dicts")
             try:
                 text = self.tokenizer.apply_chat_template(
-                    [dict(m) for m in chat],  # type: ignore[arg-type]
+                    _messages(chat),
                     add_generation_prompt,
                     tools,
                     continue_final_message=continue_final_message,
@@ -196,6 +197,18 @@ class OfflineLLM:
             return [await _collect(s) for s in streams]
         finally:
             await control.stop()
+
+
+def _messages(chat: Sequence[Any]) -> list[dict[str, Any]]:
+    """A conversation as the control plane hands a chat request's to the template (its
+    checks, and tool calls' JSON text arguments as objects); the caller's are unchanged."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(chat):
+        msg = dict(m) if isinstance(m, Mapping) else m  # (render_chat names a non-dict)
+        if isinstance(msg, dict) and msg.get("tool_calls"):
+            msg["tool_calls"] = template_tool_calls(msg["tool_calls"], i)
+        out.append(msg)
+    return out
 
 
 def _is_list(prompts: object) -> bool:

@@ -218,3 +218,40 @@ def test_an_empty_or_mistyped_model_is_refused_by_name() -> None:
             OfflineLLM(model)
     with pytest.raises(TypeError, match=r"^model must be a path or a name, got int"):
         OfflineLLM(5)  # type: ignore[arg-type]
+
+
+def test_a_chat_s_messages_are_checked_and_its_tool_calls_read_as_a_chat_request_s(
+    smollm2_path: Path,
+) -> None:
+    """A message that is not a dict was dict()'s bare error ('dictionary update sequence
+    element #0 ...', "'int' object is not iterable"), a tool call without a function a
+    KeyError, and a tool call's arguments as JSON text (OpenAI's shape) were rendered as a
+    quoted string; a chat request parses them into an object for the template. Each is
+    now as the control plane has it: the message named, the arguments an object."""
+    p = pb.GenerationParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    hi = {"role": "user", "content": "Hi"}
+    with OfflineLLM(str(smollm2_path)) as llm:
+        for chat, message in [
+            ([hi, "oops"], r"^messages\[1\] must be a message dict \(role, content\), got str"),
+            ([[hi], [hi, 5]], r"^conversations\[1\]: messages\[1\] must be a message dict"),
+            (
+                [hi, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}],
+                r"^messages\[1\]\.tool_calls: each needs function\.name",
+            ),
+            (
+                [hi, {"role": "assistant", "content": "", "tool_calls": {"id": "1"}}],
+                r"^messages\[1\]\.tool_calls must be a list",
+            ),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                llm.chat(chat, p)  # type: ignore[arg-type]
+        call = {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+        sent = [hi, {"role": "assistant", "content": "", "tool_calls": [call]}, hi]
+        (as_text,) = llm.chat(sent, p)
+        assert call["function"]["arguments"] == '{"a": 1}'  # the caller's left as it was
+        as_object = {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+        (c,) = llm.chat([hi, {**sent[1], "tool_calls": [as_object]}, hi], p)
+        assert as_text.prompt_token_ids == c.prompt_token_ids
+        rendered = llm.tokenizer.decode(c.prompt_token_ids)
+        assert '<tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>' in rendered
+        assert len(c.token_ids[0]) == 4
