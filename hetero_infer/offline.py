@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
 from compute_plane.requests import StepRejected
+from control_plane.chat_template import read_chat_template
 from control_plane.compute_client import InProcessLink, StepFailed
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
@@ -81,6 +82,8 @@ class OfflineLLM:
         self.compute_config = compute or ComputeConfig(model=str(path), metrics_port=-1)
         self.control_config = control or ControlConfig(model=str(path), metrics_port=-1)
         self.tokenizer = load_tokenizer(path)
+        if self.control_config.chat_template:  # (as the control plane's serve takes it)
+            self.tokenizer.chat_template = read_chat_template(self.control_config.chat_template)
         self.model_name = model_display_name(path)
         self.engine = Engine(self.compute_config, load_for(self.compute_config, path))
         self.engine.warmup()

@@ -255,3 +255,23 @@ def test_a_chat_s_messages_are_checked_and_its_tool_calls_read_as_a_chat_request
         rendered = llm.tokenizer.decode(c.prompt_token_ids)
         assert '<tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>' in rendered
         assert len(c.token_ids[0]) == 4
+
+
+def test_the_control_config_s_chat_template_renders_chats(
+    smollm2_path: Path, tmp_path: Path
+) -> None:
+    """ControlConfig.chat_template (--chat-template: a file overriding the model's own) was
+    ignored: chat rendered with the model's template. It is read as the control plane
+    reads it: used for every chat, and a file that does not compile refused by name."""
+    path = str(smollm2_path)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    control = ControlConfig(model=path, metrics_port=-1, chat_template=str(template))
+    p = pb.GenerationParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with OfflineLLM(path, control=control) as llm:
+        (c,) = llm.chat([{"role": "user", "content": "Hi"}], p)
+        assert llm.tokenizer.decode(c.prompt_token_ids) == "[user] Hi\n"
+        assert len(c.token_ids[0]) == 4
+    template.write_text("{% for m in messages %}")
+    with pytest.raises(ValueError, match=r"^--chat-template .*t\.jinja: the chat template does"):
+        OfflineLLM(path, control=control)
