@@ -126,6 +126,13 @@ class OfflineLLM:
         `conversations[1]: messages[2]: ...`."""
         if self._closed:
             raise RuntimeError("OfflineLLM is closed")
+        if tools is not None and not isinstance(tools, list):
+            raise TypeError(f"tools must be a list of tools or None, got {type(tools).__name__}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(
+                "chat_template_kwargs must be a dict or None, got "
+                f"{type(chat_template_kwargs).__name__}"
+            )
         one = isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
         chats = [messages] if one else messages
         if isinstance(chats, str | bytes) or not isinstance(chats, Sequence):
@@ -239,11 +246,15 @@ def _check(prompts: object, params: object) -> None:
     character), bytes (their values as token ids), ids that are not ints."""
     if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
-    if not isinstance(params, Sequence) or len(params) != len(prompts):
-        n = len(params) if isinstance(params, Sequence) else type(params).__name__
+    if not isinstance(params, Sequence):
+        raise TypeError(
+            "params must be a GenerationParams, a list of them (one per prompt) or None, "
+            f"got {type(params).__name__}"
+        )
+    if len(params) != len(prompts):
         raise ValueError(
             f"params: one GenerationParams, one per prompt or None: {len(prompts)} prompts, "
-            f"params {n}"
+            f"params {len(params)}"
         )
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):

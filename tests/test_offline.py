@@ -57,9 +57,20 @@ def test_prompts_and_params_that_would_be_misread_are_refused(smollm2_path: Path
             "one GenerationParams, one per prompt or None: 1 prompts, params 0",
         ),
         (["a"], [{"max_tokens": 2}], TypeError, r"params\[0\] must be a GenerationParams"),
+        # (one params object of another type was 'one per prompt or None: 1 prompts,
+        # params dict', a ValueError that named no type)
+        ("a", {"max_tokens": 2}, TypeError, r"^params must be a GenerationParams, a list of"),
+        (["a"], 5, TypeError, r"^params must be .* or None, got int$"),
     ]:
         with pytest.raises(error, match=message):
             llm.generate(prompts, params)  # type: ignore[arg-type]
+    # chat's tools and chat_template_kwargs of another type were bare TypeErrors ("'int'
+    # object is not iterable") naming neither
+    hi = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(TypeError, match=r"^tools must be a list of tools or None, got int"):
+        llm.chat(hi, p, tools=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^chat_template_kwargs must be a dict or None, got"):
+        llm.chat(hi, p, chat_template_kwargs=5)  # type: ignore[arg-type]
     (done,) = llm.generate([[1, 2, 3]], [p])
     assert len(done.token_ids[0]) == 2
 
