@@ -243,7 +243,7 @@ class ControlEngine:
         if self.served or self.unfit_at_start.is_set():
             return
         self._unfit_seen[address] = str(error)
-        if all(a in self._unfit_seen for a in self._listed):
+        if self._listed and all(a in self._unfit_seen for a in self._listed):
             self.unfit = "; ".join(dict.fromkeys(self._unfit_seen[a] for a in self._listed))
             self.unfit_at_start.set()
 

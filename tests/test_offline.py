@@ -161,7 +161,7 @@ def test_ctrl_c_during_generate_raises_at_once_and_the_engine_serves_on(
     asyncio.run's Ctrl-C (a cancel of the main task) landed only once every request had
     finished: ~25 s here for 8 prompts of 1000 tokens. It lands within a step now."""
     llm = OfflineLLM(str(smollm2_path))
-    params = [pb.GenerationParams(max_tokens=600, temperature=0.0, ignore_eos=True)] * 8
+    params = [pb.GenerationParams(max_tokens=1000, temperature=0.0, ignore_eos=True)] * 8
     sent: list[float] = []
 
     def ctrl_c() -> None:
@@ -172,7 +172,9 @@ def test_ctrl_c_during_generate_raises_at_once_and_the_engine_serves_on(
     timer.start()
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS[:1] * 8, params)
-    assert time.monotonic() - sent[0] < 2.0
+    # (a step takes ~20 ms; the whole batch ~25 s alone: the bound leaves room for a
+    # loaded machine, where a step is slower and the batch slower still)
+    assert time.monotonic() - sent[0] < 8.0
     (done,) = llm.generate(["Hi"], [pb.GenerationParams(max_tokens=2, temperature=0.0)])
     assert len(done.token_ids[0]) == 2
 
