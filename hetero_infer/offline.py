@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import Any, TypeVar
+
+import torch
 
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
@@ -163,6 +166,11 @@ class OfflineLLM:
         with self._running:
             self._closed = True
             self.engine = None  # type: ignore[assignment]
+        # The last call's control engine, a cycle, still holds the engine; and a GPU's
+        # memory goes back to the device only when torch's cache lets it go.
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> OfflineLLM:
         return self

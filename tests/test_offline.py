@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -288,3 +290,19 @@ def test_the_control_config_s_chat_template_renders_chats(
     template.write_text("{% for m in messages %}")
     with pytest.raises(ValueError, match=r"^--chat-template .*t\.jinja: the chat template does"):
         OfflineLLM(path, control=control)
+
+
+def test_close_frees_the_engine_at_once(smollm2_path: Path) -> None:
+    """close() dropped its reference to the compute engine, but the last call's control
+    engine (a reference cycle) still held it, model and KV cache, until Python's cyclic
+    GC next ran; close() frees it at once."""
+    llm = OfflineLLM(str(smollm2_path))
+    llm.generate("Hi", pb.GenerationParams(max_tokens=2, temperature=0.0))
+    engine = weakref.ref(llm.engine)
+    gc.disable()  # (as when the cyclic GC would not run before the next load)
+    try:
+        llm.close()
+        assert engine() is None
+    finally:
+        gc.enable()
+    llm.close()  # a second close is a no-op
