@@ -19,7 +19,7 @@ import asyncio
 import dataclasses
 import gc
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
@@ -185,7 +185,11 @@ class OfflineLLM:
         with self._running:
             if self._closed:
                 raise RuntimeError("OfflineLLM is closed")
-            return asyncio.run(self._generate(prompts, params))
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # (none: the usual case)
+                return asyncio.run(self._generate(prompts, params))
+            return _beside_the_loop(self._generate(prompts, params))
 
     async def _generate(
         self, prompts: Sequence[str | list[int]], params: list[pb.GenerationParams]
@@ -215,6 +219,40 @@ class OfflineLLM:
             return [await _collect(s) for s in streams]
         finally:
             await control.stop()
+
+
+def _beside_the_loop(work: Coroutine[Any, Any, R]) -> R:
+    """asyncio.run(work) from code that an event loop is running (a notebook's cell, an
+    async function), which asyncio.run refuses: in a thread of its own, the caller's loop
+    blocked meanwhile as by any other blocking call. A KeyboardInterrupt while it waits
+    cancels the work, as asyncio.run's Ctrl-C does, and is raised once it has stopped."""
+    started: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[R]]] = []
+    result: list[R] = []
+    error: list[BaseException] = []
+
+    async def run() -> R:
+        started.append((asyncio.get_running_loop(), asyncio.current_task()))  # type: ignore[arg-type]
+        return await work
+
+    def thread() -> None:
+        try:
+            result.append(asyncio.run(run()))
+        except BaseException as e:
+            error.append(e)
+
+    worker = threading.Thread(target=thread, name="OfflineLLM")
+    worker.start()
+    try:
+        worker.join()
+    except KeyboardInterrupt:
+        if started:
+            loop, task = started[0]
+            loop.call_soon_threadsafe(task.cancel)
+        worker.join()
+        raise
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def _messages(chat: Sequence[Any]) -> list[dict[str, Any]]:
@@ -299,6 +337,7 @@ async def _collect(stream: GenerateStream) -> Completion:
 
 
 C = TypeVar("C", ComputeConfig, ControlConfig)
+R = TypeVar("R")
 
 
 def _serving(config: C | None, plane: str, model: str, path: Path) -> C | None:

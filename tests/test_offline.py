@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import signal
@@ -306,3 +307,34 @@ def test_close_frees_the_engine_at_once(smollm2_path: Path) -> None:
     finally:
         gc.enable()
     llm.close()  # a second close is a no-op
+
+
+def test_generate_and_chat_run_from_code_an_event_loop_is_running(smollm2_path: Path) -> None:
+    """A notebook's cell runs in an event loop (as any async function does): there each
+    call was asyncio.run's RuntimeError 'cannot be called from a running event loop' (and
+    a 'never awaited' warning), where vLLM's LLM runs. It runs now, output as outside, and
+    Ctrl-C (a notebook's KeyboardInterrupt) still stops it within a step."""
+    p = pb.GenerationParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    hi = [{"role": "user", "content": "Hi"}]
+    llm = OfflineLLM(str(smollm2_path))
+    outside = [c.token_ids for c in (*llm.generate(PROMPTS[:2], p), *llm.chat(hi, p))]
+    long = [pb.GenerationParams(max_tokens=600, temperature=0.0, ignore_eos=True)] * 8
+    sent: list[float] = []
+
+    def ctrl_c() -> None:
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    async def cell() -> list[list[list[int]]]:
+        inside = [c.token_ids for c in (*llm.generate(PROMPTS[:2], p), *llm.chat(hi, p))]
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (ipykernel's way)
+        timer = threading.Timer(1.0, ctrl_c)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:1] * 8, long)
+        assert time.monotonic() - sent[0] < 2.0
+        return inside
+
+    assert asyncio.run(cell()) == outside
+    (done,) = llm.generate("Hi", p)
+    assert len(done.token_ids[0]) == 4
