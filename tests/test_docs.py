@@ -1,6 +1,7 @@
 """The reference docs list what the code has: every configuration field has a row in
 docs/configuration.md under its plane, and every Prometheus metric the three planes
-register has a row in docs/metrics.md, with no row for a flag or metric that is gone."""
+register has a row in docs/metrics.md, with no row for a flag or metric that is gone;
+docs/api.md's OfflineLLM example runs as written."""
 
 from __future__ import annotations
 
@@ -67,3 +68,12 @@ def test_every_metric_has_a_row() -> None:
     rows = _rows((DOCS / "metrics.md").read_text(), r"hetero_[a-z0-9_]+")
     assert registered - rows == set(), "metrics without a row"
     assert rows - registered == set(), "rows for metrics that are not registered"
+
+
+def test_the_offline_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/api.md's OfflineLLM example, as written, on the bundled model."""
+    section = _section((DOCS / "api.md").read_text(), "## In one process: `OfflineLLM`")
+    (example,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    exec(compile(example, "docs/api.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].strip().startswith("Paris")
