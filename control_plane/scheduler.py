@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from control_plane.block_manager import BlockManager, KVCacheStats
 from control_plane.request import PENDING_TOKEN, Request, Status
 from control_plane.speculative import Speculator
+from hetero_common.limits import STEP_NEW_REQUEST_BYTES
 
 
 class AdmissionError(ValueError):
@@ -95,6 +96,19 @@ def _num_proposed(proposal: list[int] | int) -> int:
     return proposal if isinstance(proposal, int) else len(proposal)
 
 
+def _wire_bytes(req: Request, block_size: int) -> int:
+    """At least the bytes of `req` sent in full in a StepRequest (NewRequest): every known
+    token and its whole page table (varints, up to 5 bytes each), its sampling parameters
+    and strings, a bound on the fields' tags and lengths, and its grammar's mask (a
+    TokenMask, when it samples in the step)."""
+    ids = len(req.token_ids)
+    sampling = req.sampling.ByteSize() if req.sampling is not None else 0
+    if req.grammar is not None and req.grammar.mask is not None:
+        sampling += req.grammar.mask.ByteSize() + 64
+    strings = 4 * len(req.request_id) + len(req.traceparent)  # (UTF-8; the trace's ASCII)
+    return 5 * (ids + ids // block_size + 1) + sampling + strings + 64
+
+
 class Scheduler:
     def __init__(
         self,
@@ -108,6 +122,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
         speculator: Speculator | None = None,
+        max_step_new_bytes: int = STEP_NEW_REQUEST_BYTES,
     ) -> None:
         # sliding_window: every layer of the model sees only that many latest positions.
         self.block_manager = BlockManager(
@@ -117,6 +132,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_waiting = max_waiting
+        self.max_step_new_bytes = max_step_new_bytes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}
@@ -309,10 +325,16 @@ class Scheduler:
         return spec.propose(req.request_id, tokens, min(limit, budget))
 
     def _admit_waiting(self, planned: dict[Request, tuple[list[int], int]], budget: int) -> int:
-        """Start waiting requests in order while budget, blocks and max_num_seqs allow."""
+        """Start waiting requests in order while budget, blocks and max_num_seqs allow,
+        and while the step's new requests stay within `max_step_new_bytes` on the link
+        (the first always starts)."""
         bm = self.block_manager
+        wire = 0  # (an upper bound of) the bytes of the requests started in this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            size = _wire_bytes(req, bm.block_size)  # (a waiting request is sent in full)
+            if wire and wire + size > self.max_step_new_bytes:
+                break
             forked = bm.holds_blocks(req.request_id)  # holds its parent's blocks
             prefix = [] if forked or req.skip_prefix_cache else bm.find_prefix(req)
             hit = req.num_computed_tokens if forked else len(prefix) * bm.block_size
@@ -323,6 +345,7 @@ class Scheduler:
                 req.num_computed_tokens = hit if forked else 0
                 break
             self.waiting.popleft()
+            wire += size
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit
                 # A request that skipped the lookup (prompt logprobs; caching off) is no

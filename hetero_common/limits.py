@@ -28,3 +28,10 @@ MAX_RECEIVE_BYTES = 4 * MAX_GRPC_MESSAGE_BYTES
 # 8000-token prefix are a 6 MB step: past gRPC's default 4 MiB it ended the Run stream,
 # and the control plane took the compute plane for lost.
 LINK_MAX_MESSAGE_BYTES = -1
+# Most bytes the new requests of one step take on the link (each is sent in full: every
+# known token and its whole page table). A cached prefix costs the compute plane nothing,
+# so nothing else bounds them: thousands of long prompts on one cached prefix made a step
+# past protobuf's 2 GiB, which cannot be serialised (a ValueError in the step loop: every
+# request of the compute plane failed INTERNAL). Past this the next waiting requests start
+# in the next step; one alone is always admitted (max_model_len ids: a few MB).
+STEP_NEW_REQUEST_BYTES = 256 << 20

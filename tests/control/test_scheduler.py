@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from control_plane.plane import ComputePlane
 from control_plane.request import Request, Status
-from control_plane.scheduler import AdmissionError, QueueFullError, Scheduler, SchedulerOutput
+from control_plane.scheduler import (
+    AdmissionError,
+    QueueFullError,
+    Scheduler,
+    SchedulerOutput,
+    _wire_bytes,
+)
+from hetero_proto import compute_pb2 as cpb
 
 BS = 4
 EOS = 0
@@ -344,3 +354,45 @@ def test_prefix_cache_queries_count_lookups_once_per_request(caching: bool) -> N
     assert sched.num_preemptions > 0
     kv = sched.block_manager.stats()
     assert (kv.prefix_queries, kv.prefix_hits) == ((27, 16) if caching else (0, 0))
+
+
+def test_a_steps_new_requests_stay_within_the_links_byte_budget() -> None:
+    # Requests on one cached prefix compute a token each but are sent in full (every known
+    # token, the whole page table): nothing bounded a step's bytes, and enough of them
+    # made a StepRequest past protobuf's 2 GiB, which ComputeClient.send could not
+    # serialise (every request of the compute plane failed INTERNAL). Scaled down here.
+    limit = 48 << 10
+    sched = Scheduler(
+        num_blocks=2000,
+        block_size=BS,
+        max_model_len=4000,
+        max_num_batched_tokens=4096,
+        max_step_new_bytes=limit,
+    )
+    prefix = list(range(20_000, 21_000))  # (3 bytes an id on the wire)
+    sampling = cpb.SamplingParams(temperature=0.5, seed=1)
+    sampling.logit_bias.update({i: 1.0 for i in range(100)})
+
+    def request(i: int) -> Request:
+        return Request(f"r{i}", [*prefix, i + 1], max_tokens=1, ignore_eos=True, sampling=sampling)
+
+    compute = FakeCompute(random.Random(0))
+    _run(sched, [request(-1)], seed=0, compute=compute)  # the prefix is cached
+    reqs = [request(i) for i in range(40)]
+    for r in reqs:
+        sched.add_request(r)
+    assert sum(_wire_bytes(r, BS) for r in reqs) > 2 * limit
+    steps = 0
+    while sched.has_work:
+        out = sched.schedule()
+        step = ComputePlane._to_step(cast(ComputePlane, SimpleNamespace(_step_id=1)), out)
+        assert step.ByteSize() <= limit
+        for s, sent in zip(out.new, step.new_requests, strict=True):
+            assert _wire_bytes(s.request, BS) >= sent.ByteSize() > 3000
+            assert s.num_scheduled_tokens == 1  # (the prefix is a cache hit)
+        sampled = compute.step(out)
+        _check_step(sched, out, compute)
+        sched.update(out, sampled)
+        steps += 1
+    assert steps >= 3
+    assert all(r.status == Status.FINISHED_LENGTH for r in reqs)
