@@ -317,7 +317,8 @@ class ComputePlane:
             )
         if spec.num_tokens > d.max_speculative_tokens:
             log.warning(
-                "num_speculative_tokens %d capped at the compute plane's max_speculative_tokens %d",
+                "--num-speculative-tokens %d capped at the compute plane's "
+                "--max-speculative-tokens %d",
                 spec.num_tokens,
                 d.max_speculative_tokens,
             )

@@ -6,6 +6,7 @@ can. It was attached and served without speculation, with one ERROR line."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,8 @@ def engine(smollm2_path: Path) -> Engine:
 
 
 def _control(path: Path, link: InProcessLink, **config: object) -> ControlEngine:
-    cfg = ControlConfig(model=str(path), metrics_port=-1, speculative="draft", **config)  # type: ignore[arg-type]
+    config = {"speculative": "draft", **config}
+    cfg = ControlConfig(model=str(path), metrics_port=-1, **config)  # type: ignore[arg-type]
     return ControlEngine(cfg, load_tokenizer(path), link)
 
 
@@ -83,3 +85,19 @@ def test_a_compute_plane_that_comes_back_without_its_draft_model_is_not_attached
     assert isinstance(result, BaseException), result
     # failed after --compute-timeout, as requests waiting for a lost compute plane are
     assert str(result) == f"compute plane lost: {NO_DRAFT} (start it with --draft-model)"
+
+
+def test_a_k_past_the_compute_planes_is_capped_naming_both_flags(
+    engine: Engine, smollm2_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The warning named the fields (num_speculative_tokens 8 capped at the compute
+    # plane's max_speculative_tokens 2); the operator typed the flags.
+    d = cpb.DescribeResponse()
+    d.CopyFrom(engine.describe())
+    d.max_speculative_tokens = 2
+    link = InProcessLink(lambda: d, engine.step)
+    control = _control(smollm2_path, link, speculative="ngram", num_speculative_tokens=8)
+    with caplog.at_level(logging.WARNING, logger="control_plane"):
+        asyncio.run(_first_attached(control))
+    capped = "--num-speculative-tokens 8 capped at the compute plane's --max-speculative-tokens 2"
+    assert capped in caplog.text
