@@ -81,7 +81,8 @@ def read_chat_template(path: str) -> str:
 
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Content may be a string or a list of {"type": "text", "text": ...} parts; other keys
-    (name, tool_calls, tool_call_id) pass through as the template expects them."""
+    (name, tool_calls, tool_call_id) pass through as the template expects them. A
+    developer message is the system message templates know (as the gateway read it)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -91,6 +92,10 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str):
             raise ChatTemplateError(f"messages[{i}].role must be a string")
+        if not role:
+            raise ChatTemplateError(f"messages[{i}].role must not be empty")
+        if role == "developer":  # (OpenAI's name for the system prompt of newer models)
+            role = "system"
         if isinstance(content, list):
             parts = []
             for part in content:

@@ -295,3 +295,27 @@ def test_a_template_refusal_outside_its_loop_names_the_chat() -> None:
     with pytest.raises(ChatTemplateError) as e:
         render_chat(template, [_turn("user"), _turn("user")], True, "", "")
     assert str(e.value) == "the chat template refuses the chat: no user turn"
+
+
+def test_a_developer_message_is_the_system_message_for_every_client() -> None:
+    # The gateway read OpenAI's developer role as system; a gRPC client's or
+    # OfflineLLM.chat's reached the template as "developer": SmolLM2's rendered its
+    # default system prompt and then a '<|im_start|>developer' turn, Gemma 3's refused the
+    # chat ('Conversation roles must alternate').
+    template = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}"
+    chat = [{"role": "developer", "content": "Be brief."}, _turn("user")]
+    as_system = [{"role": "system", "content": "Be brief."}, _turn("user")]
+    assert render_chat(template, chat, False, "", "") == render_chat(
+        template, as_system, False, "", ""
+    )
+    assert render_chat(template, chat, False, "", "").startswith("[system:Be brief.]")
+    gemma = render_chat(GEMMA3, chat, True, "<bos>", "<eos>")
+    assert gemma == "<bos><start_of_turn>user\nBe brief.\n\nu<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_an_empty_role_is_refused_by_name() -> None:
+    # The gateway refused it (role min_length 1); a gRPC client's or OfflineLLM.chat's
+    # rendered a turn of no role.
+    with pytest.raises(ChatTemplateError) as e:
+        render_chat("{{ messages }}", [_turn("user"), {"role": "", "content": "x"}], True, "", "")
+    assert str(e.value) == "messages[1].role must not be empty"
