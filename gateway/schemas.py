@@ -6,9 +6,10 @@ Fields follow the OpenAI API reference; `top_k`, `min_p`, `repetition_penalty`,
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import jsonschema_rs
 from pydantic import (
@@ -125,9 +126,33 @@ ParametersSchema = Annotated[JSONObject, AfterValidator(_parameters_schema)]
 
 class Strict(BaseModel):
     """A JSON number is not a string, nor a boolean a number: no coercion. A field we do
-    not implement is a 400 that names it, never silently dropped."""
+    not implement is a 400 that names it, never silently dropped. null is the default of
+    a field that has one and no meaning for null (OpenAI's optional fields are "or null":
+    the openai client sends `temperature=None` as null, and vLLM takes it)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            nulls = _defaults_for_null(cls)
+            return {k: v for k, v in data.items() if v is not None or k not in nulls}
+        return data
+
+
+@functools.cache
+def _defaults_for_null(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of `model` (by name and alias) that null leaves at their default: those
+    with a default whose type has no None (a field that takes None, such as completions'
+    max_tokens, where null means up to the context, keeps it)."""
+    return frozenset(
+        key
+        for name, f in model.model_fields.items()
+        if not f.is_required() and type(None) not in get_args(f.annotation)
+        for key in (name, f.alias)
+        if key is not None
+    )
 
 
 class JsonSchemaFormat(Strict):

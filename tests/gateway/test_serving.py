@@ -556,6 +556,36 @@ def test_generation_config_defaults_fill_only_fields_left_out(
     assert params.top_p == pytest.approx(0.5)  # the request's own value wins
 
 
+def test_null_is_a_field_left_out(client: TestClient, link: FakeLink) -> None:
+    """OpenAI's optional fields are "or null", and the openai client sends a None it is
+    given (temperature=None) as null: the default, or the model's generation_config value,
+    as if left out. Where null has a meaning of its own it keeps it (completions'
+    max_tokens: up to the context)."""
+    link.sampling_defaults = {"temperature": 0.6}
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "echo"))
+    r = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": None, **nulls}
+    )
+    assert r.status_code == 200, r.text
+    params = link.mux.calls[-1].params
+    assert params.temperature == pytest.approx(0.6) and params.top_p == 1.0
+    assert params.n == 1 and params.max_tokens == 0  # (0: up to the context)
+    assert r.json()["choices"][0]["text"] == "Hello!"  # (no echo)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        **dict.fromkeys(("logprobs", "parallel_tool_calls", "frequency_penalty", "n")),
+        "stream_options": None,
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    assert not link.mux.calls[-1].params.logprobs
+    body["model"] = None  # a required field is still required
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
 def test_positive_values_below_float32_do_not_arrive_as_off(
     client: TestClient, link: FakeLink
 ) -> None:
