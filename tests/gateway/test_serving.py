@@ -32,6 +32,7 @@ def prompt_logprobs(top: int, prompt_ids: list[int] = PROMPT_IDS) -> list[pb.Tok
         pb.TokenLogprob(
             token_id=t,
             token=f"p{t}",
+            token_bytes=f"p{t}".encode(),
             logprob=-3.0,
             rank=top + 1,
             top_logprobs=[
@@ -525,6 +526,29 @@ def test_echoed_offsets_index_the_text_when_its_bos_is_not_in_it(client: TestCli
         assert text == "p12p13Hello!" and tokens == ["t11", "p12", "p13", "Hel", "lo", "!"]
         assert offsets == [0, 0, 3, 6, 9, 11], stream
         assert all(text[o : o + len(t)] == t for t, o in zip(tokens[1:], offsets[1:], strict=True))
+
+
+def test_echoed_offsets_index_the_text_where_a_character_is_split_between_tokens() -> None:
+    """A character split between tokens ("日" as two byte tokens) shows each piece as "�":
+    their strings' lengths do not add up to the text. The offsets index the text by bytes
+    (a piece's is its character's), so they end within it, never past the first generated
+    token's (they ran on to 9 before its 8 on the bundled model's "日本語 🎉 ok")."""
+    from gateway.serving import echo_logprobs
+
+    text = "a日本 ok"
+    pieces = [b"\xe6\x97", b"\xa5", "本".encode(), b" ok"]
+    lps = [
+        pb.TokenLogprob(token=b.decode(errors="replace"), token_bytes=b, logprob=-1.0)
+        for b in pieces
+    ]
+    out = echo_logprobs(text, "a", lps, None)
+    assert out["tokens"] == ["a", "�", "�", "本", " ok"]
+    assert out["text_offset"] == [0, 1, 1, 2, 3]
+    assert text[3:] == " ok"  # (the generated tokens start at len(text): 6)
+    # A BOS the text lacks takes none of it; a prompt that starts with a piece: its char.
+    assert echo_logprobs(text, "<s>", lps[:0], None)["text_offset"] == [0]
+    out = echo_logprobs("日 ok", "�", lps[1:2] + lps[3:], None)
+    assert out["text_offset"] == [0, 0, 1]
 
 
 def test_models_and_ready(client: TestClient) -> None:
