@@ -7,6 +7,7 @@ shape of a chunk's choice and of the whole response.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -62,25 +63,41 @@ def usage_json(u: pb.Usage) -> dict[str, Any]:
     return out
 
 
+class TextOffsets:
+    """Where each token starts in the text: the characters its bytes and those of the
+    tokens before it complete. A token's text alone is no measure: a byte-fallback or
+    byte-level piece of a character reads U+FFFD, one character per piece, where the text
+    has one for the whole character ('𓀀' is 4 tokens of Gemma 3: offsets n, n, n, n, and
+    the next token's n + 1)."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self._decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+
+    def take(self, lps: list[pb.TokenLogprob]) -> list[int]:
+        """The offsets of these tokens, the next ones' counted on from them."""
+        out = []
+        for lp in lps:
+            out.append(self.at)
+            self.at += len(self._decode(lp.token_bytes))
+        return out
+
+
 def completion_logprobs(
-    lps: list[pb.TokenLogprob], offset: int, top: int | None = None
+    lps: list[pb.TokenLogprob], offsets: TextOffsets, top: int | None = None
 ) -> dict[str, Any]:
-    """`top`: at most this many alternatives per token (prompt logprobs come with as many
+    """`offsets`: where the text of `lps` starts (and what of a character is pending);
+    `top`: at most this many alternatives per token (prompt logprobs come with as many
     as the larger of logprobs and prompt_logprobs)."""
-    tokens, offsets = [], []
-    for lp in lps:
-        offsets.append(offset)
-        tokens.append(lp.token)
-        offset += len(lp.token)
     return {
-        "tokens": tokens,
+        "tokens": [lp.token for lp in lps],
         "token_logprobs": [lp.logprob for lp in lps],
         # The sampled token's entry is always there (so logprobs: 0 gives it alone), as vLLM.
         "top_logprobs": [
             {lp.token: lp.logprob, **{t.token: t.logprob for t in lp.top_logprobs[:top]}}
             for lp in lps
         ],
-        "text_offset": offsets,
+        "text_offset": offsets.take(lps),
     }
 
 
@@ -115,7 +132,7 @@ def echo_logprobs(
     tokens' strings do not add up to the text where a character is split between tokens
     ("日" as two tokens, each shown as "�"). The first token's bytes are what the others
     leave of the text: none when it is the BOS the tokenizer added, which the text lacks."""
-    body = completion_logprobs(lps, 0, top)
+    body = completion_logprobs(lps, TextOffsets(), top)
     data = text.encode()
     pos = max(0, len(data) - sum(len(lp.token_bytes) for lp in lps))
     chars, counted, offsets = 0, 0, [0]
@@ -240,7 +257,7 @@ class Call(Generic[Body]):
     calls: list[pb.GenerateRequest]
     id: str
     created: int = field(default_factory=lambda: int(time.time()))
-    offsets: dict[int, int] = field(default_factory=dict)  # completions' logprob offsets
+    offsets: dict[int, TextOffsets] = field(default_factory=dict)  # completions' logprobs
     tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # chat with tools
     prompt_ids: list[list[int]] = field(default_factory=list)  # once every call is admitted
     echo: list[str] = field(default_factory=list)  # completions echo with logprobs, streamed
@@ -491,11 +508,10 @@ class CompletionServing(Serving[CompletionRequest]):
             text = call.echo[prompt] + text
             plps = call.prompt_lps.get(prompt, [])
             head = echo_logprobs(call.echo[prompt], call.first_tokens[prompt], plps, body.logprobs)
-            call.offsets[d.index] = len(call.echo[prompt])
+            call.offsets[d.index] = TextOffsets(len(call.echo[prompt]))
         if body.logprobs is not None:
-            at = call.offsets.get(d.index, 0)
+            at = call.offsets.setdefault(d.index, TextOffsets())
             lp = join_logprobs(head, completion_logprobs(list(c.logprobs), at))
-            call.offsets[d.index] = at + sum(len(x.token) for x in c.logprobs)
         reason = FINISH.get(c.finish_reason)
         return {
             "index": d.index,
@@ -519,7 +535,7 @@ class CompletionServing(Serving[CompletionRequest]):
             plps = states[idx - idx % body.n].prompt_logprobs  # choice 0 of its prompt
             lp = None
             if body.logprobs is not None:
-                lp = completion_logprobs(st.logprobs, len(prefix))
+                lp = completion_logprobs(st.logprobs, TextOffsets(len(prefix)))
                 if body.echo:
                     first = await self.first_token(prompts[idx // body.n])
                     lp = join_logprobs(echo_logprobs(prefix, first, plps, body.logprobs), lp)

@@ -51,6 +51,7 @@ class FakeMux:
 
     def __init__(self) -> None:
         self.pieces = ["Hel", "lo", "!"]
+        self.piece_bytes: list[bytes] | None = None  # each piece's token's bytes if not its text
         self.error: APIError | None = None
         self.call_errors: dict[int, APIError] = {}
         self.hold = False
@@ -79,7 +80,11 @@ class FakeMux:
                 for c in range(n):
                     d = resp.choices.add(index=c, text=text, token_ids=[100 + k])
                     if call.params.logprobs:
-                        d.logprobs.add(token_id=100 + k, token=text, logprob=-0.25)
+                        data = text.encode() if self.piece_bytes is None else self.piece_bytes[k]
+                        token = data.decode(errors="replace")
+                        d.logprobs.add(
+                            token_id=100 + k, token=token, token_bytes=data, logprob=-0.25
+                        )
                     if k == 0 and c == 0 and call.params.HasField("prompt_logprobs"):
                         top = call.params.prompt_logprobs
                         d.prompt_logprobs.extend(prompt_logprobs(top, self.prompt_ids))
@@ -549,6 +554,33 @@ def test_echoed_offsets_index_the_text_where_a_character_is_split_between_tokens
     assert echo_logprobs(text, "<s>", lps[:0], None)["text_offset"] == [0]
     out = echo_logprobs("日 ok", "�", lps[1:2] + lps[3:], None)
     assert out["text_offset"] == [0, 0, 1]
+
+
+def test_offsets_count_a_character_split_over_tokens_once(
+    client: TestClient, link: FakeLink
+) -> None:
+    """A character whose bytes come in several tokens (Gemma 3's byte fallback spells
+    '𓀀' in 4) is one character of the text: each piece starts at it and the next token
+    one character on. Each piece's text alone is U+FFFD, and the offsets counted those,
+    one a piece: past the text, and echoed, the generated tokens' offsets ran backwards
+    from the prompt's (Gemma 3 on 'x 𓀀𓀁': ..., 10, 11, 15, then 9)."""
+    link.mux.pieces = ["", "", "", "𓀀", "x"]
+    link.mux.piece_bytes = [b"\xf0", b"\x93", b"\x80", b"\x80", b"x"]
+    for echo, at in ((False, []), (True, [0, 0, 3])):
+        body = {"model": MODEL, "prompt": "p12p13", "echo": echo, "logprobs": 0}
+        for stream in (False, True):
+            r = client.post("/v1/completions", json=body | {"stream": stream})
+            choices = (
+                [c["choices"][0] for c in _events(r.text) if c["choices"]]
+                if stream
+                else r.json()["choices"]
+            )
+            text = "".join(c["text"] for c in choices)
+            offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+            assert text == ("p12p13" if echo else "") + "𓀀x", (echo, stream)
+            start = 6 if echo else 0
+            assert offsets == [*at, start, start, start, start, start + 1], (echo, stream)
+            assert text[offsets[-1]] == "x"
 
 
 def test_models_and_ready(client: TestClient) -> None:
