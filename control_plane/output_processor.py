@@ -76,14 +76,15 @@ class OutputProcessor:
         interval = self.stream_interval
         running, waiting = Status.RUNNING, Status.WAITING
         now = time.monotonic()
-        missing = 0
+        # Tokens sent to streams: a stop string drops those sampled after it (accepted
+        # proposals past it, or tokens held back by the interval), as if never sampled.
+        emitted = 0
         gaps: list[float] = []  # inter-token latencies seen by this step's tokens
         logprobs = {r.request_id: r for r in result.results} if result.results else None
         several: dict[str, list[cpb.TokenResult]] = {}  # a verifying request's, in order
         if accepted and result.results:
             for r in result.results:
                 several.setdefault(r.request_id, []).append(r)
-        extra_tokens = 0
         choices = self.choices
         for p in result.prompt_logprobs:
             if (entry := choices.get(p.request_id)) is not None:
@@ -91,7 +92,6 @@ class OutputProcessor:
         for rid, token in sampled.items():
             entry = choices.get(rid)
             if entry is None:
-                missing += 1
                 continue  # aborted while the step ran
             stream, choice = entry
             if (last := choice.last_token_time) is not None:
@@ -104,7 +104,6 @@ class OutputProcessor:
             extra = accepted.get(rid) if accepted else None
             if extra:
                 pending.extend(extra)
-                extra_tokens += len(extra)
             pending.append(token)
             if rid in several:
                 choice.pending_logprobs.extend(several[rid][: len(extra or ()) + 1])
@@ -126,25 +125,25 @@ class OutputProcessor:
                 push = choice.detok.push
                 text = push(token) if len(pending) == 1 else "".join(map(push, pending))
                 box.delta(stream.client_id, pending, text)
+                emitted += len(pending)
                 pending.clear()
                 continue
-            self._respond(stream, choice, live, touched)
-        m.generation_tokens.inc(len(sampled) - missing + extra_tokens)
+            emitted += self._respond(stream, choice, live, touched)
+        m.generation_tokens.inc(emitted)
         for value, count in Counter(gaps).items():
             metrics.observe_many(m.itl, value, count)
         self._send(touched)
 
-    def _respond(
-        self, stream: GenerateStream, choice: Choice, live: bool, touched: Touched
-    ) -> None:
-        """The slow path: stop strings, logprobs, finishing, or an unpacked client."""
+    def _respond(self, stream: GenerateStream, choice: Choice, live: bool, touched: Touched) -> int:
+        """The slow path: stop strings, logprobs, finishing, or an unpacked client.
+        Returns how many tokens it sent."""
         pending, req = choice.pending, choice.request
         box = stream.pack_into if live else None
         text, num_sent, matched = stream.new_text(choice, pending)
         if matched is None and box is not None:
             box.delta(stream.client_id, pending, text)
             pending.clear()
-            return
+            return num_sent
         if (out := touched.get(stream.stream_id)) is None:
             out = touched[stream.stream_id] = (stream, stream.new_response())
         delta = stream.add_delta(choice, out[1], pending[:num_sent], text)
@@ -159,6 +158,7 @@ class OutputProcessor:
         if not live:
             stream.finish(choice, delta, req.status)
             self.choices.pop(req.request_id, None)
+        return num_sent
 
     def _send(self, touched: Touched) -> None:
         for stream, resp in touched.values():

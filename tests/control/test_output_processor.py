@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
 from control_plane import metrics
 from control_plane.input_processor import InputProcessor, ModelBounds
@@ -48,15 +49,21 @@ class Harness:
             c.request.status = Status.RUNNING
         self.proc.add(self.stream)
 
-    def step(self, tokens: list[int], end: Status | None = None) -> None:
-        """One step: choice i sampled tokens[i]; `end` is the scheduler's verdict."""
+    def step(
+        self, tokens: list[int], end: Status | None = None, accepted: list[int] | None = None
+    ) -> None:
+        """One step: choice i sampled tokens[i]; `end` is the scheduler's verdict;
+        `accepted`: choice 0's accepted proposals before its sampled token."""
         sampled = {}
         for choice, token in zip(self.stream.choices, tokens, strict=True):
+            if accepted and choice.index == 0:
+                choice.request.token_ids.extend(accepted)
             choice.request.token_ids.append(token)
             if end is not None:
                 choice.request.status = end
             sampled[choice.request.request_id] = token
-        self.proc.process(cpb.StepResult(), sampled, STEP_METRICS)  # type: ignore[arg-type]
+        acc = {self.stream.choices[0].request.request_id: accepted} if accepted else None
+        self.proc.process(cpb.StepResult(), sampled, STEP_METRICS, acc)  # type: ignore[arg-type]
 
     def responses(self) -> list[pb.GenerateResponse]:
         out = []
@@ -96,6 +103,27 @@ def test_a_stop_string_cuts_the_text_and_finishes_the_request(tok: TokenizerWrap
     assert text == " the cat sat on the"
     assert h.finished == [("s-0", Status.FINISHED_STOPPED)]
     assert h.stream.choices[0].finished and h.stream.done
+
+
+def _generated() -> float:
+    return REGISTRY.get_sample_value("hetero_generation_tokens_total", {"model_name": "unit"}) or 0
+
+
+@pytest.mark.parametrize("interval", [1, 4])
+def test_tokens_after_a_stop_string_are_not_counted_as_generated(
+    tok: TokenizerWrapper, interval: int
+) -> None:
+    # Speculative decoding accepts several tokens in a step (the interval holds several
+    # back): those after the stop string are dropped, from the text, usage and the count.
+    tokens = tok.encode(" the cat sat on the mat and slept", add_special_tokens=False)
+    h = Harness(tok, pb.GenerationParams(max_tokens=50, stop=[" mat"]), interval=interval)
+    before = _generated()
+    h.step([tokens[0]])
+    h.step([tokens[-1]], accepted=tokens[1:-1])  # " mat" is in the accepted run
+    (*_, last) = h.responses()
+    assert tok.decode(h.stream.choices[0].request.output_token_ids) == " the cat sat on the mat"
+    assert last.usage.completion_tokens == tokens.index(tok.encode(" mat")[0]) + 1
+    assert _generated() - before == last.usage.completion_tokens
 
 
 def test_the_stream_interval_holds_tokens_back_but_not_the_first_or_last(
