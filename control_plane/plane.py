@@ -323,6 +323,8 @@ class ComputePlane:
                 d.max_speculative_tokens,
             )
             spec = dataclasses.replace(spec, num_tokens=d.max_speculative_tokens)
+        for pos in range(spec.num_tokens):  # (known labels read 0 from the start)
+            metrics.spec_accepted_per_pos.labels(position=str(pos), **self.labels)
         log.info(
             "speculative decoding: %s, k <= %d, while <= %d requests decode%s",
             spec.method,

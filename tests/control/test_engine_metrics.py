@@ -185,3 +185,29 @@ def test_the_waiting_gauge_counts_a_request_when_it_is_placed_and_aborted(
             await control.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_accepted_tokens_per_position_read_zero_before_the_first_acceptance(
+    smollm2_path: Path,
+) -> None:
+    """Each of the k positions of a proposal is a known label once speculation is set up:
+    its series exists at 0 (appearing at 1, its first acceptance was lost to rate())."""
+
+    async def main() -> None:
+        control, _ = _on_the_bundled_model(
+            smollm2_path, "per-pos", speculative="ngram", num_speculative_tokens=3
+        )
+        await control.start()
+        try:
+            await control.attached.wait()
+            for pos in range(4):
+                value = REGISTRY.get_sample_value(
+                    "hetero_spec_decode_num_accepted_tokens_per_pos_total",
+                    {"model_name": "per-pos", "position": str(pos)},
+                )
+                assert value == (0 if pos < 3 else None), pos
+        finally:
+            await control.stop()
+
+    asyncio.run(main())
