@@ -167,7 +167,11 @@ async def _tokenize(link: ControlLink, body: TokenizeRequest) -> dict[str, Any]:
     try:
         resp = await link.open().Tokenize(req, timeout=30)
     except grpc.aio.AioRpcError as e:
-        raise from_grpc(e) from e
+        error = from_grpc(e)
+        if error.param is None and error.code == "context_length_exceeded":
+            # (as the generate routes name it: the input is what does not fit)
+            error.param = "messages" if req.HasField("chat") else "prompt"
+        raise error from e
     return {
         "count": resp.count,
         "max_model_len": resp.max_model_len,

@@ -309,6 +309,14 @@ def test_request_size_limits(stack: FullStack, model: str) -> None:
     assert f"longer than the maximum context length of {limit}" in error(
         httpx.post(url, json=big, timeout=60), 400
     )
+    # /tokenize refuses it alike, naming the input as the generate routes do (param was null)
+    r = httpx.post(stack.url + "/tokenize", json={"prompt": big["prompt"]}, timeout=60)
+    assert f"longer than the maximum context length of {limit}" in error(r, 400)
+    assert r.json()["error"]["param"] == "prompt"
+    chat = {"messages": [{"role": "user", "content": big["prompt"]}]}
+    r = httpx.post(stack.url + "/tokenize", json=chat, timeout=60)
+    assert f"longer than the maximum context length of {limit}" in error(r, 400)
+    assert r.json()["error"]["param"] == "messages"
     # A prompt that fills the context leaves no room for output.
     full = {"model": model, "prompt": [100] * limit, "max_tokens": None}
     assert f"the prompt has {limit} tokens" in error(httpx.post(url, json=full, timeout=60), 400)
