@@ -9,6 +9,7 @@ import importlib.metadata
 import json
 import math
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -288,13 +289,18 @@ async def _model(link: ControlLink, model_id: str) -> dict[str, Any]:
     return model
 
 
+# When this gateway began serving the model: /v1/models' `created` (a Unix time, as
+# vLLM's; 0 read as 1970 in clients that show it).
+STARTED = int(time.time())
+
+
 async def _model_object(link: ControlLink) -> dict[str, Any]:
     name = await link.model_name()
     info = await link.info()
     return {
         "id": name,
         "object": "model",
-        "created": 0,
+        "created": STARTED,
         "owned_by": "hetero-paged-infer",
         "max_model_len": info.max_model_len,
     }

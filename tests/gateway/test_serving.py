@@ -8,6 +8,7 @@ import asyncio
 import gc
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -584,7 +585,11 @@ def test_offsets_count_a_character_split_over_tokens_once(
 
 
 def test_models_and_ready(client: TestClient) -> None:
-    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    model = client.get("/v1/models").json()["data"][0]
+    assert model["id"] == MODEL
+    # a Unix time: when the gateway started, not 0 (1970 in clients that show it)
+    assert time.time() - 3600 < model["created"] <= time.time()
+    assert client.get(f"/v1/models/{MODEL}").json()["created"] == model["created"]
     assert client.get("/ready").json() == {"status": "ready", "model": MODEL}
     assert client.get("/health").json() == {"status": "ok"}
     for path in ("/health", "/ready", "/v1/models", f"/v1/models/{MODEL}", "/version"):
