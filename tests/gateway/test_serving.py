@@ -513,6 +513,16 @@ def test_echoed_logprobs_and_prompt_logprobs_each_get_their_own_count(
             assert plps[0] is None and [len(x) for x in plps[1:]] == [prompt_logprobs + 1] * 2
 
 
+def _completion_choices(
+    client: TestClient, body: dict[str, Any], stream: bool
+) -> list[dict[str, Any]]:
+    """A one-prompt completion's choice, streamed (each chunk's) or not."""
+    r = client.post("/v1/completions", json=body | {"stream": stream})
+    if stream:
+        return [c["choices"][0] for c in _events(r.text) if c["choices"]]
+    return list(r.json()["choices"])
+
+
 def test_echoed_offsets_index_the_text_when_its_bos_is_not_in_it(client: TestClient) -> None:
     """A text prompt's echo is the text as sent; the BOS the tokenizer put first (here
     "t11") is not in it, so it takes no characters: every offset indexes the echoed text,
@@ -520,12 +530,7 @@ def test_echoed_offsets_index_the_text_when_its_bos_is_not_in_it(client: TestCli
     backwards at the first generated token: Gemma 3's 0, 5, ..., 26, 24)."""
     body = {"model": MODEL, "prompt": "p12p13", "echo": True, "logprobs": 0}
     for stream in (False, True):
-        r = client.post("/v1/completions", json=body | {"stream": stream})
-        choices = (
-            [c["choices"][0] for c in _events(r.text) if c["choices"]]
-            if stream
-            else r.json()["choices"]
-        )
+        choices = _completion_choices(client, body, stream)
         text = "".join(c["text"] for c in choices)
         tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
         offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
@@ -570,12 +575,7 @@ def test_offsets_count_a_character_split_over_tokens_once(
     for echo, at in ((False, []), (True, [0, 0, 3])):
         body = {"model": MODEL, "prompt": "p12p13", "echo": echo, "logprobs": 0}
         for stream in (False, True):
-            r = client.post("/v1/completions", json=body | {"stream": stream})
-            choices = (
-                [c["choices"][0] for c in _events(r.text) if c["choices"]]
-                if stream
-                else r.json()["choices"]
-            )
+            choices = _completion_choices(client, body, stream)
             text = "".join(c["text"] for c in choices)
             offsets = [o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]]
             assert text == ("p12p13" if echo else "") + "𓀀x", (echo, stream)
