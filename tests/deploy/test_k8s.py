@@ -332,3 +332,22 @@ def test_images_run_as_non_root_and_never_download_models(dockerfile: Path) -> N
         assert hub not in text
     if "torch" in text and "compute-cpu" in dockerfile.name:
         assert "torch==2.13.0" in text and "whl/cpu" in text  # never the CUDA build
+
+
+def runtime_stage(dockerfile: Path) -> str:
+    """The Dockerfile's last stage: what the image runs with."""
+    return dockerfile.read_text().rpartition("\nFROM ")[2]
+
+
+@pytest.mark.parametrize(
+    "dockerfile", sorted((ROOT / "deploy/docker").glob("compute-*.Dockerfile"))
+)
+def test_compute_images_carry_a_c_compiler(dockerfile: Path) -> None:
+    """A compute plane compiles C as it runs: the CPU kernels (compute_plane/native.py,
+    `cc`) and, on CUDA, Triton's driver stub (built with gcc or clang at the first kernel
+    launch: without one the warm-up fails with 'Failed to find C compiler'). The build
+    stage's compiler stays behind, so the runtime stage installs its own."""
+    stage = runtime_stage(dockerfile)
+    assert stage.startswith("python:3.11-slim"), "the runtime stage is python:3.11-slim"
+    installs = [set(line.split()) for line in stage.splitlines() if "apt-get install" in line]
+    assert any({"gcc", "libc6-dev"} <= i for i in installs), f"{dockerfile.name}: no C compiler"
