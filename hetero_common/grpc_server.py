@@ -64,6 +64,10 @@ class GrpcPlane:
                 ) from None
             self.metrics_port = int(httpd.server_port)
             log.info("metrics at http://%s:%d/metrics", host, self.metrics_port)
+        # grpc's health servicer answers SERVING for "" until told otherwise, and nothing
+        # for LIVENESS: a control plane read as ready (a Kubernetes readiness probe, the
+        # gateways) from its first answer until its first check for a compute plane.
+        await self.health.set(False)
         await self.server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
