@@ -91,3 +91,12 @@ def test_the_dashboard_covers_what_operators_watch() -> None:
     ):
         assert needed in text, needed
     assert compute_plane.metrics.step_duration and control_plane.metrics.ttft
+
+
+def test_ratios_divide_by_their_denominator() -> None:
+    """A ratio of rates is divided by the denominator's rate itself, filtered to > 0 where
+    it may be 0 (no data then): clamp_min(..., 1) divided a prefix hit rate by 1 whenever
+    fewer than one prompt token a second was looked up (one 20-token request a minute:
+    a third of the true rate)."""
+    for q in _queries(_dashboard()):
+        assert not re.search(r"/\s*clamp_min\(", q), q
