@@ -54,7 +54,7 @@ def test_floors_are_the_versions_that_generated_the_stubs() -> None:
 def test_the_base_install_has_no_torch() -> None:
     """The control plane and gateway image installs `.` alone: torch is the compute extra."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    assert not {"torch", "numpy", "safetensors"} & set(_requirements())
+    assert not {"torch", "safetensors"} & set(_requirements())
     assert any(r.startswith("torch") for r in project["optional-dependencies"]["compute"])
 
 
