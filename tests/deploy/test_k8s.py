@@ -8,6 +8,7 @@ object is validated against the Kubernetes 1.30 schemas with `kubernetes-validat
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -351,3 +352,12 @@ def test_compute_images_carry_a_c_compiler(dockerfile: Path) -> None:
     assert stage.startswith("python:3.11-slim"), "the runtime stage is python:3.11-slim"
     installs = [set(line.split()) for line in stage.splitlines() if "apt-get install" in line]
     assert any({"gcc", "libc6-dev"} <= i for i in installs), f"{dockerfile.name}: no C compiler"
+
+
+@pytest.mark.parametrize("dockerfile", sorted((ROOT / "deploy/docker").glob("*.Dockerfile")))
+def test_images_can_trace(dockerfile: Path) -> None:
+    """Every plane takes --otlp-traces-endpoint, which needs the otel extra: without it in
+    the image, adding the flag to a pod's args stopped the plane at start ('needs
+    OpenTelemetry')."""
+    installs = re.findall(r'pip install "?\.\[([^\]]*)\]', dockerfile.read_text())
+    assert any("otel" in extras.split(",") for extras in installs), dockerfile.name
