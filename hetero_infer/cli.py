@@ -258,7 +258,10 @@ def _add_process_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> No
     """Logs and traces; after a subcommand they override the ones before it."""
     level, fmt, otlp = ("INFO", "text", None) if defaults else (argparse.SUPPRESS,) * 3
     parser.add_argument(
-        "--log-level", default=level, type=_log_level, help="DEBUG, INFO, WARNING, ERROR"
+        "--log-level",
+        default=level,
+        type=_log_level,
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL",
     )
     parser.add_argument(
         "--log-format",
