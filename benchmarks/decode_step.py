@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.workload import write_report
+from benchmarks.workload import machine, write_report
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
 from compute_plane.attention.cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if args.compare_ref:
         backends = {f"at {args.compare_ref}": _old_attention(args.compare_ref)(scale), **backends}
-    report: dict[str, Any] = {"benchmark": "decode_step", "threads": torch.get_num_threads()}
+    report: dict[str, Any] = {"benchmark": "decode_step", "machine": machine()}
+    report["threads"] = torch.get_num_threads()
     report["steps"] = []
     for shape in args.shapes.split(","):
         b, c = (int(x) for x in shape.split("x"))

@@ -235,6 +235,7 @@ def test_compute_host_through_the_grpc_server_tiny(tmp_path: Path) -> None:
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
     args = ["--shapes", "2x20", "--prefills", "24"]
     report = decode_step.main([*args, "--out", str(tmp_path / "d.json")])
+    assert report["machine"]["cpu"]  # (what the figures were measured on)
     (prefill,) = report["prefills"]
     assert prefill["prefill_tokens"] == 24 and prefill["torch_ms"] > 0 and prefill["cpu_ms"] > 0
     (row,) = report["steps"]
