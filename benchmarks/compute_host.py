@@ -225,7 +225,7 @@ def _run(tree: Path, model: Path, how: dict[str, Any]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.gpu import write_random_model
-    from benchmarks.workload import machine, write_report
+    from benchmarks.workload import machine, unknown_revision, write_report
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seqs", type=int, default=256)
@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.compare_arg and (not args.grpc or args.compare_ref):
         ap.error("--compare-arg needs --grpc, and no --compare-ref")
+    if args.compare_ref and (why := unknown_revision(args.compare_ref)):
+        ap.error(f"--compare-ref: {why}")
     if args.out is None:
         name = "compute_host_grpc.json" if args.grpc else "compute_host.json"
         args.out = Path("docs/perf") / name

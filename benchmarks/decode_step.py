@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.workload import machine, write_report
+from benchmarks.workload import ROOT, machine, unknown_revision, write_report
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
 from compute_plane.attention.cpu import CPUPagedAttention
 from compute_plane.kv_cache import KVCache
@@ -59,10 +59,13 @@ CATEGORIES = {
 
 def _old_attention(ref: str) -> Any:
     for where in ("compute_plane/attention/torch_backend.py", "compute_plane/attention.py"):
-        show = subprocess.run(["git", "show", f"{ref}:{where}"], capture_output=True, text=True)
+        show = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{ref}:{where}"], capture_output=True, text=True
+        )
         if show.returncode == 0:  # the package's file, or the module it was before
             break
-    show.check_returncode()
+    else:
+        raise SystemExit(f"--compare-ref {ref}: the revision has no torch attention to load")
     src = show.stdout
     path = Path(tempfile.mkdtemp()) / "attention_at_ref.py"
     path.write_text(src)
@@ -166,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' attention")
     ap.add_argument("--out", type=Path, default=Path("docs/perf/decode_step.json"))
     args = ap.parse_args(argv)
+    if args.compare_ref and (why := unknown_revision(args.compare_ref)):
+        ap.error(f"--compare-ref: {why}")
     loaded = load_model(resolve_model_path(args.model), progress=False)
     cfg = loaded.config
     model = Model(cfg, loaded.weights, torch.device("cpu"), torch.float32, 4096)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.workload import machine, write_report
+from benchmarks.workload import ROOT, machine, unknown_revision, write_report
 from compute_plane.model import onednn_linear
 from compute_plane.native import COMPILE_FLAGS, LINK_FLAGS
 from compute_plane.quant import QuantWeight
@@ -59,7 +59,7 @@ def _build_ref(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
     """csrc/quant_linear_cpu.c as it was at `rev`, built as native.py builds it, and
     whether it takes the blocked ("x16") layout of today's kernel."""
     src = subprocess.run(
-        ["git", "show", f"{rev}:compute_plane/csrc/quant_linear_cpu.c"],
+        ["git", "-C", str(ROOT), "show", f"{rev}:compute_plane/csrc/quant_linear_cpu.c"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     c, obj, lib = out_dir / "ref.c", out_dir / "ref.o", out_dir / "ref.so"
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--activations", choices=("int16", "fp32"), default="int16")
     ap.add_argument("--out", type=Path, default=Path("docs/perf/quant_kernel.json"))
     args = ap.parse_args(argv)
+    if args.compare_ref and (why := unknown_revision(args.compare_ref)):
+        ap.error(f"--compare-ref: {why}")
     rng = np.random.default_rng(0)
     tmp = tempfile.TemporaryDirectory()
     ref = _build_ref(args.compare_ref, Path(tmp.name)) if args.compare_ref else None

@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -75,6 +76,23 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+ROOT = Path(__file__).resolve().parent.parent  # this tree (its git repository)
+
+
+def unknown_revision(rev: str) -> str | None:
+    """Why `rev` cannot be a --compare-ref (not a commit of this tree's repository, or no
+    git), or None: checked before anything is loaded, so a typo is a usage error rather
+    than git's exit status in a traceback after the model has loaded."""
+    try:
+        found = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+            capture_output=True,
+        )
+    except OSError as e:
+        return f"git cannot be run: {e}"
+    return None if found.returncode == 0 else f"{rev!r} is not a commit of {ROOT}"
 
 
 def preset_dict(preset: Preset) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,6 +231,28 @@ def test_compute_host_through_the_grpc_server_tiny(tmp_path: Path) -> None:
     assert min(fig["period"], fig["prepare"], fig["forward"], fig["sample"]) > 0
     assert fig["server_cpu"] == pytest.approx(fig["loop_thread"] + fig["other_threads"], abs=0.01)
     assert fig["loop_thread"] >= 0.8 * fig["server_cpu"], fig
+
+
+@pytest.mark.parametrize("bench", [compute_host, decode_step, quant_kernel])
+def test_compare_ref_not_a_commit_is_a_usage_error(
+    bench: Any,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --compare-ref git does not know stops before anything loads or is written,
+    naming the flag (it was git's exit status in a traceback, after the model had loaded,
+    and benchmarks.compute_host left its temporary model behind)."""
+    import tempfile
+
+    out, temp = tmp_path / "r.json", tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--compare-ref", "no-such-rev", "--out", str(out)])
+    assert stop.value.code == 2
+    assert "--compare-ref: 'no-such-rev' is not a commit of" in capsys.readouterr().err
+    assert not out.exists() and not any(temp.iterdir())
 
 
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
