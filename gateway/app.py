@@ -332,8 +332,10 @@ async def serve(config: GatewayConfig) -> None:
             create_app(config),
             host=config.host,
             port=config.port,
-            log_level="info",
-            log_config=None,  # uvicorn's loggers go through the process's handler (--log-format)
+            # uvicorn's loggers go through the process's handler (--log-format) at the
+            # process's level (--log-level): a level here would be set on them, overriding it
+            log_level=None,
+            log_config=None,
             http=guarded_h11(config.header_timeout, config.max_idle_connections_per_ip),
             lifespan="on",
             # SIGTERM: stop accepting connections, finish in-flight requests (streams too).

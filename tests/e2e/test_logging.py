@@ -89,6 +89,28 @@ def test_no_prompt_or_output_in_logs(tmp_path: Path) -> None:
             assert len(snippet) < 12 or snippet not in log, f"{name} logged an output: {snippet!r}"
 
 
+@pytest.mark.parametrize("level", ["WARNING", "INFO"])
+def test_gateway_log_level_holds_for_its_http_server(tmp_path: Path, level: str) -> None:
+    """--log-level WARNING quiets the gateway's HTTP server too (uvicorn's start-up lines
+    and a line per request); at INFO they are logged. They were INFO whatever the level:
+    uvicorn was given its own."""
+    port, log = free_port(), tmp_path / "gateway.log"
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "--log-level", level, "gateway"]
+    cmd += ["--port", str(port), "--control", f"127.0.0.1:{free_port()}"]
+    with log.open("wb") as out:
+        gw = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_http_ready(f"http://127.0.0.1:{port}/health", gw)
+    finally:
+        stop_process(gw)
+    lines = log.read_text().splitlines()
+    info = [line for line in lines if " INFO " in line]
+    if level == "WARNING":
+        assert not info, lines
+    else:
+        assert any("uvicorn.access" in line and "/health" in line for line in info), lines
+
+
 def test_json_logs_carry_one_request_id_through_three_planes(tmp_path: Path) -> None:
     """--log-format json: every stderr line of every plane is a JSON object, and the
     client's X-Request-Id names the request in the gateway's, the control plane's and
