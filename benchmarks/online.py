@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +50,9 @@ def build_workload(kind: str, n: int, preset: str, seed: int) -> list[Request]:
     def tokens(k: int) -> list[int]:
         return [rng.randint(100, 40000) for _ in range(k)]
 
-    if kind == "random":
-        return (
-            make_workload(PRESETS[preset], seed)[:n] if n else make_workload(PRESETS[preset], seed)
+    if kind == "random":  # (n requests of the preset's lengths, its first ones the same)
+        return make_workload(
+            replace(PRESETS[preset], num_requests=n or PRESETS[preset].num_requests), seed
         )
     if kind == "chunked-prefill":
         return [

@@ -146,6 +146,14 @@ def test_online_load_generator_tiny(tmp_path: Path) -> None:
     assert (tmp_path / "online_throughput_vs_concurrency.png").stat().st_size > 1000
 
 
+def test_online_random_workload_of_more_requests_than_its_preset() -> None:
+    """--num-requests above the preset's count runs that many (it was cut to the preset's
+    4 for tiny, silently), the first ones the preset's own."""
+    work = online.build_workload("random", 10, "tiny", seed=0)
+    assert len(work) == 10 and work[:4] == make_workload(PRESETS["tiny"], 0)
+    assert online.build_workload("random", 2, "tiny", seed=0) == work[:2]
+
+
 def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
     args = ["--seqs", "2", "--steps", "20", "--stream-intervals", "1,4"]
     report = overhead.main([*args, "--out", str(tmp_path / "o.json")])
