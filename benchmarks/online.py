@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
 import statistics
 import subprocess
@@ -339,7 +340,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--launch", action="store_true", help="start the three planes locally")
     ap.add_argument("--model", default="default")
     ap.add_argument("--workload", default="random", choices=WORKLOADS)
-    ap.add_argument("--preset", default="default", help="lengths for the random workload")
+    ap.add_argument(
+        "--preset",
+        default="default",
+        choices=sorted(PRESETS),
+        help="lengths for the random workload",
+    )
     ap.add_argument("--num-requests", type=int, default=0, help="0: the workload's default")
     ap.add_argument("--arrival", default="poisson", choices=ARRIVALS)
     ap.add_argument("--rate", type=float, default=1.0, help="requests/s (fixed, poisson)")
@@ -419,6 +425,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("give --url or --launch")
     if args.compare_prefix_caching and not args.launch:
         ap.error("--compare-prefix-caching starts its own stacks: add --launch")
+    try:
+        rates = [float(x) for x in args.rates.split(",") if x]
+        caps = [int(x) for x in args.concurrencies.split(",") if x]
+    except ValueError as e:
+        ap.error(f"--rates / --concurrencies: {e}")
+    if not all(r > 0 and math.isfinite(r) for r in rates):
+        ap.error(f"--rates must be positive numbers, got {args.rates}")
+    if not all(c >= 1 for c in caps) or (args.max_concurrency or 1) < 1:
+        ap.error("--concurrencies and --max-concurrency must be at least 1")
+    rated = args.arrival in ("fixed", "poisson") and not (rates or caps)
+    if rated and not (args.rate > 0 and math.isfinite(args.rate)):
+        ap.error(f"--rate must be a positive number for --arrival {args.arrival}")
+    if args.num_requests < 0:
+        ap.error("--num-requests must be at least 0 (0: the workload's default)")
     work = build_workload(args.workload, args.num_requests, args.preset, args.seed)
     report: dict[str, Any] = {
         "benchmark": "online",

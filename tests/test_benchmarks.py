@@ -154,6 +154,27 @@ def test_online_random_workload_of_more_requests_than_its_preset() -> None:
     assert online.build_workload("random", 2, "tiny", seed=0) == work[:2]
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--preset", "nosuch"], "invalid choice: 'nosuch'"),
+        (["--rate", "0"], "--rate must be a positive number for --arrival poisson"),
+        (["--arrival", "fixed", "--rate", "-1"], "--rate must be a positive number"),
+        (["--rates", "0.5,0"], "--rates must be positive numbers"),
+        (["--concurrencies", "4,0"], "--concurrencies and --max-concurrency must be at least 1"),
+        (["--num-requests", "-3"], "--num-requests must be at least 0"),
+    ],
+)
+def test_online_bad_flags_are_usage_errors(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before any request (or stack): a rate of 0 was a ZeroDivisionError once the runs
+    began, an unknown preset a KeyError."""
+    with pytest.raises(SystemExit) as stop:
+        online.main(["--url", "http://127.0.0.1:9", *args, "--out", "/nonexistent/o.json"])
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
     args = ["--seqs", "2", "--steps", "20", "--stream-intervals", "1,4"]
     report = overhead.main([*args, "--out", str(tmp_path / "o.json")])
