@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.workload import Preset, machine, make_workload, write_report
-from hetero_common.model_path import bundled_gguf
+from hetero_common.model_path import ModelNotFoundError, resolve_model_path
 
 PHASES = [
     # (name, plane, start mark, end mark) over one step's record; "next_received" is the
@@ -231,7 +231,11 @@ def plot(timeline: list[dict[str, int]], concurrency: int, path: Path, count: in
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="default: the bundled GGUF")
+    ap.add_argument(
+        "--model",
+        default="default",
+        help="HF folder, .gguf, or a name ('default': the bundled GGUF)",
+    )
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--compute-arg", action="append", default=[], help="extra compute-plane flag")
@@ -251,7 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", type=Path, default=Path("docs/perf/profile.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/perf/profile_timeline.png"))
     args = ap.parse_args(argv)
-    model = args.model or str(bundled_gguf())
+    try:  # (a name, as the planes take it: the engine here reads the tokenizer's files)
+        model = str(resolve_model_path(args.model))
+    except ModelNotFoundError as e:
+        ap.error(f"--model: {e}")
     timeline = asyncio.run(
         _run(
             model,

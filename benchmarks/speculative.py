@@ -39,7 +39,7 @@ import httpx
 
 from benchmarks.online import launched
 from benchmarks.workload import machine, write_report
-from hetero_common.model_path import bundled_gguf
+from hetero_common.model_path import ModelNotFoundError, resolve_model_path
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -358,11 +358,18 @@ def default_at(model: str, n: int, quick: bool) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="default: the bundled GGUF")
+    ap.add_argument(
+        "--model", default="default", help="a .gguf or a name ('default': the bundled GGUF)"
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/speculative.json"))
     ap.add_argument("--quick", action="store_true", help="fewer prompts and levels (a smoke run)")
     args = ap.parse_args()
-    model = args.model or str(bundled_gguf())
+    try:  # (a name, as the planes take it: the draft is cut from the file)
+        model = str(resolve_model_path(args.model))
+    except ModelNotFoundError as e:
+        ap.error(f"--model: {e}")
+    if not model.endswith(".gguf"):
+        ap.error(f"--model: the draft is cut from a GGUF file, and {model} is not one")
     tmp = Path(tempfile.mkdtemp(prefix="hetero-draft-"))
     draft = make_layer_draft(Path(model), DRAFT_LAYERS, tmp / f"first-{DRAFT_LAYERS}-layers.gguf")
     try:

@@ -320,11 +320,11 @@ def test_peers_side_by_side_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_step_timeline_tiny(tmp_path: Path) -> None:
-    """Over the real gRPC hop: the phases are measured and add up."""
+    """Over the real gRPC hop: the phases are measured and add up. The model by its name,
+    as the planes take it (the engine here reads its tokenizer from the file it names)."""
     out, png = tmp_path / "p.json", tmp_path / "p.png"
-    report = profile.main(
-        ["--concurrency", "3", "--output-len", "12", "--out", str(out), "--plot", str(png)]
-    )
+    args = ["--model", "default", "--concurrency", "3", "--output-len", "12"]
+    report = profile.main([*args, "--out", str(out), "--plot", str(png)])
     ms = report["ms"]
     assert ms["decode_steps"] >= 5 and json.loads(out.read_text())["concurrency"] == 3
     for phase in ("schedule", "encode", "grpc_send", "grpc_return", "update", "forward"):
