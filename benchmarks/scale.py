@@ -7,8 +7,8 @@ Each compute plane is its own process limited to one torch thread (--num-threads
 two planes use two cores where one uses one; the control plane is one process driving
 them, and this process calls its gRPC `Generate` for every request at once (token-id
 prompts, greedy, EOS ignored: every request produces exactly its output length). Reports
-output tokens/s of each and the ratio, and how many requests each plane took. Run it
-alone on the machine: a second busy process changes the figures.
+output tokens/s of each and its ratio to the first. Run it alone on the machine: a
+second busy process changes the figures.
 """
 
 from __future__ import annotations
