@@ -318,15 +318,21 @@ def _attention(
     return rows
 
 
+PARTS = ("linears", "attention")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28, help="operand copies timed in turn")
     ap.add_argument("--shapes", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--max-model-len", type=int, default=40960, help="sizes the graphs' splits")
-    ap.add_argument("--parts", default="linears,attention")
+    ap.add_argument("--parts", default=",".join(PARTS), help="of: " + ", ".join(PARTS))
     ap.add_argument("--out", type=Path, default=Path("docs/perf/gpu_variants.json"))
     args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    if unknown := sorted(set(parts) - set(PARTS)):  # (a typo measured nothing, silently)
+        ap.error(f"--parts: unknown {', '.join(unknown)} (known: {', '.join(PARTS)})")
     on_gpu = torch.cuda.is_available()
     from compute_plane.kernels import interpreted
 
@@ -350,7 +356,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from benchmarks.gpu import copy_bandwidth
 
         report["copy_bandwidth_GB_per_s"] = round(copy_bandwidth() / 1e9, 1)
-    parts = args.parts.split(",")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if "linears" in parts:
         report["linears"] = linears(SHAPES[args.shapes], args.layers, timer, dtype, device)

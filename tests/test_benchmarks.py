@@ -201,6 +201,16 @@ def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
         assert parts["total_ms"] >= max(v for k, v in parts.items() if k != "total_ms")
 
 
+def test_gpu_variants_unknown_part_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A --parts typo measured nothing and wrote a report without figures (where a GPU
+    was lent: its time spent); it is refused before anything runs."""
+    from benchmarks import gpu_variants
+
+    with pytest.raises(SystemExit) as stop:
+        gpu_variants.main(["--parts", "attn,linears", "--out", "/nonexistent/v.json"])
+    assert stop.value.code == 2 and "--parts: unknown attn" in capsys.readouterr().err
+
+
 def test_gpu_benchmarks_logit_probe_on_cpu(tmp_path: Path) -> None:
     """benchmarks.gpu's FP8/INT8 logit comparison (the throughput needs CUDA), on a tiny
     model in bf16 on the CPU: 80 positions each, within the stated tolerances of bf16."""
