@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks.offline import run_grpc
 from benchmarks.workload import Preset, machine, make_workload, preset_dict, write_report
+from hetero_common.cpus import usable_cpus
 
 # Long enough that start-up and the last stragglers weigh little; short prompts so the
 # figure is mostly decode, where a plane's step is bound by its one core.
@@ -33,6 +34,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--requests", type=int, default=WORKLOAD.num_requests)
     ap.add_argument("--out", type=Path, default=Path("docs/perf/scale.json"))
     args = ap.parse_args(argv)
+    cpus = usable_cpus()
+    try:
+        planes = [int(x) for x in args.planes.split(",")]
+    except ValueError:
+        ap.error(f"--planes must be comma-separated counts, got {args.planes!r}")
+    if not all(1 <= n <= cpus for n in planes):  # (before a run: not after the first)
+        ap.error(f"--planes: each count must be in 1..{cpus} (a CPU each), got {args.planes}")
+    if args.requests < 1:
+        ap.error(f"--requests must be at least 1, got {args.requests}")
     preset = Preset(args.requests, WORKLOAD.prompt_len, WORKLOAD.output_len)
     work = make_workload(preset, args.seed)
     report: dict[str, Any] = {
@@ -42,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "runs": [],
     }
-    for n in (int(x) for x in args.planes.split(",")):
+    for n in planes:
         run = run_grpc(args.model, work, compute_args=("--num-threads", "1"), num_compute=n)
         run["compute_planes"] = n
         report["runs"].append(run)

@@ -211,6 +211,27 @@ def test_gpu_variants_unknown_part_is_a_usage_error(capsys: pytest.CaptureFixtur
     assert stop.value.code == 2 and "--parts: unknown attn" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--planes", "1,x"], "--planes must be comma-separated counts"),
+        (["--planes", "1,1000"], "--planes: each count must be in 1.."),
+        (["--requests", "0"], "--requests must be at least 1"),
+    ],
+)
+def test_scale_bad_flags_are_usage_errors(
+    args: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before the first run: a plane count above the CPUs was local_planes'
+    ValueError (naming serve's --compute-planes) once the runs before it had been
+    measured, and lost."""
+    from benchmarks import scale
+
+    with pytest.raises(SystemExit) as stop:
+        scale.main([*args, "--out", "/nonexistent/s.json"])
+    assert stop.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_gpu_benchmarks_logit_probe_on_cpu(tmp_path: Path) -> None:
     """benchmarks.gpu's FP8/INT8 logit comparison (the throughput needs CUDA), on a tiny
     model in bf16 on the CPU: 80 positions each, within the stated tolerances of bf16."""
