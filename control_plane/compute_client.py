@@ -65,7 +65,7 @@ class ComputeLink(Protocol):
         it was (not reset, no stream opened: free for another control plane)."""
         ...
 
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool | None:
+    async def alive(self, timeout: float = 2.0) -> bool | None:
         """True: it answered, up; False: it is down; None: no answer in time."""
         ...
 
@@ -126,20 +126,21 @@ class ComputeClient:
         run.add_done_callback(lambda _: ended.set())
         return description
 
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool | None:
-        """False when the compute plane refuses connections or reports NOT_SERVING; True
-        when it answered SERVING; None when it did not answer in time (or failed the
-        call otherwise): not a death, but no sign that it is up either.
+    async def alive(self, timeout: float = 2.0) -> bool | None:
+        """False when the compute plane refuses connections; True when it answered; None
+        when it did not answer in time (or failed the call otherwise): not a death, but
+        no sign that it is up either.
 
-        A slow answer is not a death: only UNAVAILABLE counts. A draining compute plane
-        reports NOT_SERVING on purpose while it finishes its requests: then only an
-        unreachable one is dead.
+        A slow answer is not a death: only UNAVAILABLE counts. Nor is NOT_SERVING: a
+        loaded compute plane reports it only while it drains, finishing its requests, and
+        its control plane may learn of the drain seconds later (`StepResult.draining`
+        comes with the result of the step it is computing: a long prefill's).
         """
         try:
-            r = await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            await self.health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             return False if e.code() == grpc.StatusCode.UNAVAILABLE else None
-        return draining or bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+        return True
 
     async def send(self, request: pb.StepRequest) -> None:
         """Send one step; its result comes from `receive`."""
@@ -236,7 +237,7 @@ class InProcessLink:
             self._on_attach()
         return description
 
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
+    async def alive(self, timeout: float = 2.0) -> bool:
         return True
 
     async def send(self, request: pb.StepRequest) -> None:

@@ -442,7 +442,7 @@ class ComputePlane:
             if not self.attached.is_set():
                 misses = 0
                 continue
-            alive = await self.client.alive(draining=self._compute_draining)
+            alive = await self.client.alive()
             misses = misses + 1 if alive is False else 0
             if alive:
                 self._seen_up()

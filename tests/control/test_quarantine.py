@@ -151,7 +151,7 @@ class _Plane(InProcessLink):
         self.address = address  # type: ignore[misc]
         self._down = down
 
-    async def alive(self, timeout: float = 2.0, draining: bool = False) -> bool:
+    async def alive(self, timeout: float = 2.0) -> bool:
         return self.address not in self._down
 
 

@@ -93,6 +93,35 @@ def test_compute_plane_finishes_in_flight_then_exits() -> None:
         exits_zero(kproc, sent)
 
 
+def test_compute_plane_sigtermed_mid_step_finishes_its_requests() -> None:
+    """SIGTERM while a long step runs (a 1,500-token prefill on one thread: seconds): the
+    compute plane's health turns NOT_SERVING at once, but its `draining` flag reaches the
+    control plane only with that step's result. The two NOT_SERVING health checks
+    meanwhile were taken for a death: the plane was dropped as lost mid-drain, its
+    requests parked until --compute-timeout (the compute plane held them through its
+    whole --drain-timeout, then exited) and failed UNAVAILABLE, instead of finishing on
+    the draining process."""
+    k, c, compute, control = planes(("--num-threads", "1", "--kv-cache-bytes", str(256 << 20)))
+    c += ["--compute-timeout", "5"]
+    with child(k, compute) as kproc, child(c, control), grpc.insecure_channel(control) as ch:
+        stub = pb_grpc.ControlPlaneStub(ch)
+        params = pb.GenerationParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        responses = stub.Generate(pb.GenerateRequest(text="Once upon a time", params=params))
+        first = next(responses)  # decoding
+        words = " ".join(f"w{i}" for i in range(750))  # ~1,500 tokens, no cached prefix
+        params = pb.GenerationParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        long = stub.Generate(pb.GenerateRequest(text=words, params=params), timeout=120)
+        time.sleep(0.3)  # its prefill's step is running
+        sent = time.monotonic()
+        kproc.send_signal(signal.SIGTERM)
+        tokens, finish = collect(long)
+        assert len(tokens) == 4 and finish == pb.FINISH_REASON_LENGTH
+        rest, finish = collect(responses)
+        assert len(collect(iter([first]))[0] + rest) == 200
+        assert finish == pb.FINISH_REASON_LENGTH
+        exits_zero(kproc, sent)
+
+
 def test_control_plane_finishes_in_flight_then_exits() -> None:
     k, c, compute, control = planes()
     with child(k, compute), child(c, control) as cproc, grpc.insecure_channel(control) as ch:
