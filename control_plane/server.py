@@ -195,6 +195,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self.model_name = model_name
         self.generation_defaults = json.dumps(generation_defaults or {})
         self._big_lane = side_lane("tokenize-big")  # big inputs never take every CPU
+        self.closing = False  # the server stops: end_calls cancels the open calls
+        self._calls: set[asyncio.Task[Any]] = set()  # the open GenerateMany calls' handlers
 
     async def prompt_ids(
         self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
@@ -298,6 +300,9 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
     ) -> AsyncIterator[pb.GenerateManyResponse]:
         call = _ManyCall(self)
         reader = asyncio.create_task(call.read(request_iterator))
+        task = asyncio.current_task()
+        assert task is not None
+        self._calls.add(task)
         try:
             # A refused start leaves `starting` before its error is written: the outbox
             # must be empty too, or the call could end with that error unsent.
@@ -308,9 +313,25 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 call.forget(ended)
                 for message in messages:
                     yield message
+        except asyncio.CancelledError:
+            if not self.closing:  # (the client went: grpc cancels the handler)
+                raise
+            # end_calls: a status now, not a call left open for the stop's grace (the
+            # reader first: the abort would fail its read, logged as the client's fault)
+            reader.cancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
         finally:
+            self._calls.discard(task)
             reader.cancel()
             call.close()  # the client went away: free the blocks now
+
+    def end_calls(self) -> None:
+        """End the open GenerateMany calls now (the server stops, drained): a gateway
+        keeps its call open while idle, and the server's stop grace waited a second for
+        it, then cancelled it (an ERROR traceback from grpc)."""
+        self.closing = True
+        for task in self._calls:
+            task.cancel()
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -539,6 +560,7 @@ async def serve(config: ControlConfig) -> None:
     if left := await plane.drain(lambda: len(engine.streams), config.drain_timeout):
         log.warning("drain timeout: %d requests cut off", left)
     log.info("control plane shutting down")
+    servicer.end_calls()
     await plane.close()
     await engine.stop()
 

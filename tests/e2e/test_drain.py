@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,3 +256,42 @@ def test_a_stopped_compute_plane_is_noticed_at_once(tmp_path: Path) -> None:
     lost = f"compute plane {compute} lost: compute plane {compute}: UNAVAILABLE: the compute plane stopped"
     assert lost in log.read_text(), log.read_text()
     assert noticed < 0.45, noticed
+
+
+def test_a_stopped_control_plane_ends_an_idle_gateway_call_at_once(tmp_path: Path) -> None:
+    """SIGTERM on a control plane with a gateway's GenerateMany call open and idle (a
+    gateway keeps its call open between requests): the drain has nothing to wait for,
+    and the call ends at once with UNAVAILABLE 'the control plane stopped'. It was left
+    to the gRPC server's 1 s stop grace, then cancelled: an ERROR traceback ('Exception
+    not handled by _handle_exceptions in servicer method', CancelledError) at each stop."""
+    k, c, compute, control = planes()
+    log = tmp_path / "control.log"
+    done = threading.Event()
+    params = pb.GenerationParams(max_tokens=4)
+
+    def messages() -> Iterator[pb.GenerateManyRequest]:
+        yield pb.GenerateManyRequest(
+            start=pb.GenerateRequest(request_id="a", text="Hi", params=params)
+        )
+        done.wait(timeout=60)  # the call stays open, as a gateway's
+
+    with child(k, compute), log.open("wb") as out:
+        cproc = subprocess.Popen([sys.executable, "-m", "hetero_infer.cli", *c], stderr=out)
+        try:
+            wait_serving(control, cproc)
+            with grpc.insecure_channel(control) as ch:
+                call = pb_grpc.ControlPlaneStub(ch).GenerateMany(messages(), timeout=60)
+                while not any(r.HasField("usage") for r in next(call).responses):
+                    pass
+                sent = time.monotonic()
+                cproc.send_signal(signal.SIGTERM)
+                with pytest.raises(grpc.RpcError) as ended:
+                    next(call)
+                assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert ended.value.details() == "the control plane stopped"
+                assert cproc.wait(timeout=DRAIN + 15) == 0
+                assert time.monotonic() - sent < 0.8  # was 1.05 s
+        finally:
+            done.set()
+            stop_process(cproc)
+    assert "Traceback" not in log.read_text(), log.read_text()
