@@ -31,6 +31,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from contextvars import Context
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -174,9 +175,15 @@ class Multiplexer:
         outgoing: asyncio.Queue[pb.GenerateManyRequest] = asyncio.Queue()
         self._call, self._outgoing, self._routes = call, outgoing, {}
         self._cancelled = {}  # (the last call's messages do not come on this one)
+        # The call outlives the request that opened it: its tasks run in a context of
+        # their own, or their log lines would carry that request's id (REQUEST_ID).
         self._tasks = [
-            asyncio.create_task(self._write(call, outgoing), name="generate-many-write"),
-            asyncio.create_task(self._read(call, self._routes), name="generate-many-read"),
+            asyncio.create_task(
+                self._write(call, outgoing), name="generate-many-write", context=Context()
+            ),
+            asyncio.create_task(
+                self._read(call, self._routes), name="generate-many-read", context=Context()
+            ),
         ]
         return outgoing
 

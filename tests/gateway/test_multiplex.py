@@ -7,6 +7,7 @@ under test is the multiplexer's bookkeeping."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -27,7 +28,7 @@ class ScriptedCall:
     gateway writes."""
 
     def __init__(self) -> None:
-        self.inbox: asyncio.Queue[pb.GenerateManyResponse | None] = asyncio.Queue()
+        self.inbox: asyncio.Queue[pb.GenerateManyResponse | Exception | None] = asyncio.Queue()
         self.written: list[pb.GenerateManyRequest] = []
 
     async def write(self, message: pb.GenerateManyRequest) -> None:
@@ -35,6 +36,8 @@ class ScriptedCall:
 
     async def read(self) -> Any:
         message = await self.inbox.get()
+        if isinstance(message, Exception):  # the call ends with this error
+            raise message
         return grpc.aio.EOF if message is None else message
 
     def cancel(self) -> None:
@@ -166,3 +169,39 @@ def test_an_id_is_the_clients_again_once_nothing_can_come_for_it(
         assert not mux._cancelled  # (both records went)
 
     run(body)
+
+
+def test_the_calls_own_log_lines_carry_no_requests_id() -> None:
+    """The GenerateMany call outlives the HTTP request that opened it: its end (a control
+    plane stopped long after that request finished) was logged under that request's id,
+    as the reader and writer tasks inherited its context ('GenerateMany call to the
+    control plane ended: UNAVAILABLE [<an id whose request had succeeded>]')."""
+    seen: list[tuple[str, str | None]] = []
+
+    class Ids(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.getMessage(), REQUEST_ID.get()))
+
+    class Ended(grpc.aio.AioRpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.UNAVAILABLE, None, None, "stopped")  # type: ignore[arg-type]
+
+    async def body(mux: Multiplexer, call: ScriptedCall) -> None:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        a = mux.start([CALL], q, 600)
+        await settle()
+        call.answer(a[0], "", last=True)
+        await settle()
+        mux.cancel(a)
+        call.inbox.put_nowait(Ended())  # the control plane stopped, long after
+        await settle()
+
+    handler = Ids()
+    log = logging.getLogger("gateway")
+    log.addHandler(handler)
+    try:
+        run(body)
+    finally:
+        log.removeHandler(handler)
+    ended = [rid for message, rid in seen if "GenerateMany call" in message]
+    assert ended == [None], seen
