@@ -79,8 +79,12 @@ class TextOffsets:
         out = []
         for lp in lps:
             out.append(self.at)
-            self.at += len(self._decode(lp.token_bytes))
+            self.skip(lp.token_bytes)
         return out
+
+    def skip(self, data: bytes) -> None:
+        """Count on past these bytes of the text (a character they start stays pending)."""
+        self.at += len(self._decode(data))
 
 
 def completion_logprobs(
@@ -127,27 +131,18 @@ def echo_logprobs(
 ) -> dict[str, Any]:
     """Completions' logprobs of an echoed prompt `text`: its first token has none (nothing
     precedes it), the others theirs (`top` alternatives), from offset 0. The offsets index
-    the echoed text, as the generated tokens' do (they start at its end): each token's is
-    the character its first byte is in, counted on the text's UTF-8 bytes, since the
-    tokens' strings do not add up to the text where a character is split between tokens
-    ("日" as two tokens, each shown as "�"). The first token's bytes are what the others
-    leave of the text: none when it is the BOS the tokenizer added, which the text lacks."""
-    body = completion_logprobs(lps, TextOffsets(), top)
+    the echoed text, as the generated tokens' do (they start at its end), counted on its
+    bytes (TextOffsets): the first token's are what the others leave of the text, none
+    when it is the BOS the tokenizer added, which the text lacks."""
     data = text.encode()
-    pos = max(0, len(data) - sum(len(lp.token_bytes) for lp in lps))
-    chars, counted, offsets = 0, 0, [0]
-    for lp in lps:
-        pos = min(pos, len(data))  # (a detokenised text shorter than its tokens' bytes)
-        # characters started before pos (a UTF-8 continuation byte starts none)
-        chars += sum(1 for b in data[counted:pos] if b & 0xC0 != 0x80)
-        counted = pos
-        offsets.append(chars - (pos < len(data) and data[pos] & 0xC0 == 0x80))
-        pos += len(lp.token_bytes)
+    offsets = TextOffsets()
+    offsets.skip(data[: max(0, len(data) - sum(len(lp.token_bytes) for lp in lps))])
+    body = completion_logprobs(lps, offsets, top)
     return {
         "tokens": [first, *body["tokens"]],
         "token_logprobs": [None, *body["token_logprobs"]],
         "top_logprobs": [None, *body["top_logprobs"]],
-        "text_offset": offsets,
+        "text_offset": [0, *body["text_offset"]],
     }
 
 
