@@ -332,6 +332,11 @@ class Engine:
         metrics.engine_resets.labels(**m)
         for code in ("INVALID_ARGUMENT", "INTERNAL"):
             metrics.failed_requests.labels(code=code, **m)
+        # So do the step histograms (their _count is a counter: steps per second).
+        for kind in ("prefill", "decode", "mixed"):
+            metrics.step_duration.labels(kind=kind, **m)
+        metrics.tokens_per_step.labels(**m)
+        metrics.seqs_per_step.labels(**m)
 
     def _blocks_in_use(self) -> int:
         tables = [

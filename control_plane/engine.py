@@ -134,6 +134,11 @@ class ControlEngine:
         metrics.prompt_tokens.labels(**self.labels)
         for reason in (*(s.value for s in Status if s.finished), "error"):
             metrics.request_success.labels(finished_reason=reason, **self.labels)
+        # So do the finished requests' histograms (their _count is a counter too); time to
+        # first token and inter-token latency are bound by each plane.
+        finished = (metrics.e2e, metrics.queue_time, metrics.prefill_time, metrics.decode_time)
+        for histogram in finished:
+            histogram.labels(**self.labels)
         self.draining = False  # this process is shutting down: refuse new requests
         self._link = link
         self.planes: dict[str, ComputePlane] = {}  # by address, in the order they joined

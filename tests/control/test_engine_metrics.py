@@ -77,7 +77,10 @@ def test_a_refused_request_is_not_counted_as_routed(smollm2_path: Path) -> None:
 def test_counters_read_zero_before_their_first_event(smollm2_path: Path, tmp_path: Path) -> None:
     """Counters whose labels are known exist at 0 from the start (a series that appears
     at 1 loses its first event to rate() and increase(): the first preemption, reset or
-    failed request, and a hit rate with no hit yet read 'no data')."""
+    failed request, and a hit rate with no hit yet read 'no data'), and so do the request
+    histograms (the end-to-end, queue, prefill and decode ones appeared at the first
+    finished request, the compute plane's step ones at its first step: rate() of their
+    _count and buckets missed it)."""
     from tests.conftest import make_tiny_model
 
     tiny = tmp_path / "zero-start-tiny"
@@ -91,6 +94,11 @@ def test_counters_read_zero_before_their_first_event(smollm2_path: Path, tmp_pat
     for code in ("INVALID_ARGUMENT", "INTERNAL"):
         labels = {"code": code, **m}
         assert REGISTRY.get_sample_value("hetero_compute_failed_requests_total", labels) == 0
+    for kind in ("prefill", "decode", "mixed"):
+        labels = {"kind": kind, **m}
+        assert REGISTRY.get_sample_value("hetero_compute_step_duration_seconds_count", labels) == 0
+    for name in ("tokens_per_step", "seqs_per_step"):
+        assert REGISTRY.get_sample_value(f"hetero_compute_{name}_count", m) == 0, name
 
     async def main() -> None:
         control, link = _on_the_bundled_model(smollm2_path, "zero-start")
@@ -104,6 +112,12 @@ def test_counters_read_zero_before_their_first_event(smollm2_path: Path, tmp_pat
                     "hetero_request_success_total", {"finished_reason": reason, **labels}
                 )
                 assert value == 0, reason
+            for name in (
+                "time_to_first_token_seconds", "inter_token_latency_seconds",
+                "e2e_request_latency_seconds", "request_queue_time_seconds",
+                "request_prefill_time_seconds", "request_decode_time_seconds",
+            ):  # fmt: skip
+                assert REGISTRY.get_sample_value(f"hetero_{name}_count", labels) == 0, name
             labels["compute"] = link.address
             for name in ("preemptions", "prefix_cache_queries", "prefix_cache_hits"):
                 assert REGISTRY.get_sample_value(f"hetero_{name}_total", labels) == 0, name
