@@ -372,7 +372,9 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             vocab_size=self.tokenizer.vocab_size,
             eos_token_ids=list(self.tokenizer.eos_token_ids),
             has_chat_template=bool(self.tokenizer.chat_template),
-            compute_attached=self.engine.attached.is_set(),
+            # (false while draining: it takes no new request, as its health says, so
+            # a gateway's /ready must not read it as ready)
+            compute_attached=self.engine.attached.is_set() and not self.engine.draining,
             generation_defaults_json=self.generation_defaults,
             max_waiting=self.engine.config.max_waiting,
         )

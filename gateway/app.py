@@ -272,7 +272,8 @@ async def _ready(link: ControlLink) -> JSONResponse:
         return JSONResponse({"status": "unavailable", "reason": e.message}, status_code=503)
     if not info.compute_attached:
         return JSONResponse(
-            {"status": "unavailable", "reason": "no compute plane attached"}, status_code=503
+            {"status": "unavailable", "reason": "no compute plane attached, or draining"},
+            status_code=503,
         )
     return JSONResponse({"status": "ready", "model": info.model_name})
 

@@ -101,7 +101,7 @@ class ControlPlane:
             self.set_up(False, e.code().name)
             raise
         if not info.compute_attached:
-            self.set_up(False, "no compute plane attached")
+            self.set_up(False, "no compute plane attached, or draining")
         return info
 
     async def close(self) -> None:

@@ -138,6 +138,9 @@ def test_control_plane_finishes_in_flight_then_exits() -> None:
                 assert e.code() == grpc.StatusCode.UNAVAILABLE, e
                 break
             assert time.monotonic() < deadline, "new requests still accepted while draining"
+        # Not ready while it drains (a gateway's /ready reads this): it answered with its
+        # compute plane attached, so /ready said 200 while every new request got a 503.
+        assert not stub.ModelInfo(pb.ModelInfoRequest(), timeout=5).compute_attached
         rest, finish = collect(responses)
         assert len(first + rest) == TOKENS and finish == pb.FINISH_REASON_LENGTH
         exits_zero(cproc, sent)
