@@ -64,7 +64,7 @@ class InputProcessor:
 
     def check(self, prompt_ids: list[int], params: pb.GenerationParams, bounds: ModelBounds) -> int:
         """Raise AdmissionError naming the first bad field; return the request's max_tokens
-        (when unset: what the context leaves after the prompt)."""
+        (when unset: what the context leaves after the prompt; 0 with prompt_only)."""
         _check_fields(params)
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
@@ -85,7 +85,14 @@ class InputProcessor:
                 f"stop_token_ids: token id {bad[0]} is not in 0..{vocab - 1} "
                 f"(the vocabulary has {vocab} tokens)"
             )
-        max_tokens = params.max_tokens or bounds.max_model_len - len(prompt_ids)
+        if params.prompt_only:
+            max_tokens = 0  # (0 is "up to the context" only when it generates)
+            if params.max_tokens:
+                raise AdmissionError(
+                    f"prompt_only generates nothing: max_tokens must be 0, got {params.max_tokens}"
+                )
+        else:
+            max_tokens = params.max_tokens or bounds.max_model_len - len(prompt_ids)
         if params.min_tokens > max_tokens:
             raise AdmissionError(
                 f"min_tokens ({params.min_tokens}) exceeds max_tokens ({max_tokens})"
@@ -180,7 +187,10 @@ class InputProcessor:
                 request_id=choice_request_id(stream_id, i),
                 prompt_token_ids=list(prompt_ids),
                 token_ids=[*prompt_ids, *resumed],
-                max_tokens=max_tokens,
+                # A prompt-only request samples once, when its prompt is computed, and
+                # drops that token (Request.prompt_only).
+                max_tokens=max_tokens or 1,
+                prompt_only=params.prompt_only,
                 sampling=self.sampling(params, i, bounds),
                 min_tokens=params.min_tokens,
                 ignore_eos=params.ignore_eos,

@@ -138,6 +138,9 @@ class OutputProcessor:
         """The slow path: stop strings, logprobs, finishing, or an unpacked client.
         Returns how many tokens it sent."""
         pending, req = choice.pending, choice.request
+        if req.prompt_only:  # its one sample ended it and is no output (Request.prompt_only)
+            pending.clear()
+            choice.pending_logprobs.clear()
         box = stream.pack_into if live else None
         text, num_sent, matched = stream.new_text(choice, pending)
         if matched is None and box is not None:

@@ -53,6 +53,9 @@ class Request:
     traceparent: str = ""  # the control plane's span of its stream, for the compute plane's
     grammar: Any = None  # control_plane.grammar.GrammarState of a constrained request
     skip_prefix_cache: bool = False  # compute the whole prompt (prompt logprobs)
+    # Generate nothing (GenerationParams.prompt_only): the token sampled when the prompt is
+    # computed ends it, by length, and is dropped (max_tokens is 1 for that token).
+    prompt_only: bool = False
     # Async scheduling: trailing PENDING_TOKENs in token_ids, one per step in flight that
     # samples for it (0 when nothing is in flight).
     num_pending: int = 0
@@ -92,8 +95,12 @@ class Request:
         return self.token_ids[self.num_prompt_tokens :]
 
     def stop_check(self, token: int, max_model_len: int) -> Status | None:
-        """The finished status that appending `token` causes, if any."""
+        """The finished status that appending `token` causes, if any (a prompt-only
+        request's token is taken back: it ends it, by length)."""
         # The first min_tokens tokens may not end the request (vLLM's min_tokens).
+        if self.prompt_only:
+            self.drop_last(1)  # (appended by the caller: not output)
+            return Status.FINISHED_LENGTH
         num_tokens = len(self.token_ids)
         num_output = num_tokens - self.num_prompt_tokens
         if num_output > self.min_tokens and token in self.stop_ids:

@@ -187,6 +187,8 @@ def generation_params(
     echoed = req.logprobs if isinstance(req, CompletionRequest) and req.echo else None
     if asked := [k for k in (req.prompt_logprobs, echoed) if k is not None]:
         p.prompt_logprobs = max(asked)
+    if max_tokens == 0:  # completions' echo with max_tokens 0 (CompletionServing.check)
+        p.prompt_only = True
     if (spec := structured_output(req)) is not None:
         p.structured.CopyFrom(spec)
     return p

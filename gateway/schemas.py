@@ -264,7 +264,8 @@ BatchIds = Annotated[list[TokenId], AfterValidator(_batch_prompt)]
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[BatchText] | list[TokenId] | list[BatchIds]
-    max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = 16
+    # 0 only with echo: the prompt scored, nothing generated (CompletionServing.check)
+    max_tokens: Annotated[int, Field(ge=0, lt=INT32)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     suffix: Text | None = None

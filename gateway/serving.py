@@ -455,6 +455,15 @@ class CompletionServing(Serving[CompletionRequest]):
     chunk_object = "text_completion"
     input_param = "prompt"
 
+    def check(self, body: CompletionRequest) -> None:
+        if body.max_tokens == 0 and not body.echo:  # (as vLLM: nothing to answer)
+            raise APIError(
+                400,
+                "max_tokens must be at least 1 (0 only with echo: the prompt and its "
+                "logprobs, nothing generated)",
+                param="max_tokens",
+            )
+
     def calls(self, body: CompletionRequest) -> list[pb.GenerateRequest]:
         return completion_calls(body)
 

@@ -282,3 +282,25 @@ def test_two_steps_ahead_index_only_known_tokens_for_the_prefix_cache() -> None:
     out = sched.schedule()
     assert out.new[0].num_computed_tokens == BS, "the prefix cache missed the known block"
     bm.check_integrity()
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_prompt_only_request_ends_by_length_with_no_output(ahead: bool) -> None:
+    """GenerationParams.prompt_only: the token sampled when the prompt is computed (EOS
+    here, which would stop any other request) is taken back; the request ends by length
+    with no output and nothing more is planned for it, planned ahead or not."""
+    sched = _scheduler(16)
+    req = Request("a", [1, 2, 3, 4, 5], 1, eos_token_ids=frozenset({EOS}), prompt_only=True)
+    sched.add_request(req)
+    out = sched.schedule()
+    if ahead:
+        sched.advance(out)
+        assert sched.schedule(lookahead=True).empty  # its pending token is its last
+        assert sched.resolve(out, {"a": EOS}) == [req]
+    else:
+        assert sched.update(out, {"a": EOS}) == [req]
+    assert req.status is Status.FINISHED_LENGTH and req.stop_reason is None
+    assert req.token_ids == [1, 2, 3, 4, 5] and req.num_output_tokens == 0
+    assert sched.schedule().finished_ids == ["a"]
+    sched.block_manager.check_integrity()
+    assert sched.block_manager.num_free_blocks == 15

@@ -48,6 +48,12 @@ def inputs(tok: TokenizerWrapper) -> InputProcessor:
         ([1, 2], pb.GenerationParams(top_k=-5), "top_k must be 0 or -1 (off) or > 0, got -5"),
         (
             [1, 2],
+            pb.GenerationParams(prompt_only=True, max_tokens=4),
+            "prompt_only generates nothing: max_tokens must be 0, got 4",
+        ),
+        ([1, 2], pb.GenerationParams(prompt_only=True, min_tokens=1), "min_tokens (1)"),
+        (
+            [1, 2],
             pb.GenerationParams(structured=pb.StructuredOutput(json_object=False)),
             "json_object must be true when set",
         ),
@@ -81,6 +87,20 @@ def test_the_values_next_to_refused_ones_are_accepted(
 def test_max_tokens_defaults_to_what_the_context_leaves(inputs: InputProcessor) -> None:
     assert inputs.check([5] * 10, pb.GenerationParams(), BOUNDS) == 54
     assert inputs.check([5] * 10, pb.GenerationParams(max_tokens=7), BOUNDS) == 7
+
+
+def test_prompt_only_generates_nothing_whatever_the_context_leaves(
+    inputs: InputProcessor,
+) -> None:
+    """prompt_only's max_tokens 0 is no output, not "up to the context"; each choice
+    samples once, when its prompt is computed, and drops that token."""
+    params = pb.GenerationParams(prompt_only=True, n=2, prompt_logprobs=3)
+    max_tokens = inputs.check([5] * 63, params, BOUNDS)  # (one position short of the context)
+    assert max_tokens == 0
+    stream = inputs.make_stream("s", [5] * 63, params, BOUNDS, max_tokens)
+    reqs = [c.request for c in stream.choices]
+    assert [(r.prompt_only, r.max_tokens, r.max_num_tokens) for r in reqs] == [(True, 1, 64)] * 2
+    assert inputs.check([1, 2], pb.GenerationParams(), BOUNDS) == 62  # unset: as before
 
 
 def test_a_good_request_becomes_one_request_per_choice(

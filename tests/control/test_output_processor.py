@@ -154,3 +154,33 @@ def test_a_removed_stream_gets_nothing(tok: TokenizerWrapper) -> None:
     assert h.proc.remove(h.stream) and not h.proc.remove(h.stream)
     h.step([tok.encode(" x", add_special_tokens=False)[0]])
     assert h.responses() == []
+
+
+def test_a_prompt_only_choice_ends_with_no_token_and_its_prompt_logprobs(
+    tok: TokenizerWrapper,
+) -> None:
+    """prompt_only: the token each choice samples when its prompt is computed is no
+    output (no text, token, logprob or count), whatever the stream interval; choice 0's
+    delta carries the prompt's logprobs; both end by length."""
+    params = pb.GenerationParams(prompt_only=True, n=2, logprobs=True, prompt_logprobs=1)
+    h = Harness(tok, params, interval=4)
+    prompt = h.stream.prompt_token_ids
+    result = cpb.StepResult()
+    plps = result.prompt_logprobs.add(request_id="s-0", start=1)
+    for t in prompt[1:]:
+        plps.tokens.add(token_id=t, logprob=-1.5, rank=2)
+    sampled = {}
+    for c in h.stream.choices:
+        result.results.add(request_id=c.request.request_id, token_id=13, logprob=-0.1)
+        c.request.token_ids.append(13)  # as the scheduler appends it, then checks it
+        c.request.status = c.request.stop_check(13, BOUNDS.max_model_len)  # type: ignore[assignment]
+        sampled[c.request.request_id] = 13
+    h.proc.process(result, sampled, STEP_METRICS)  # type: ignore[arg-type]
+    (resp,) = h.responses()
+    assert [(d.index, d.text, list(d.token_ids), len(d.logprobs)) for d in resp.choices] == [
+        (0, "", [], 0),
+        (1, "", [], 0),
+    ]
+    assert {d.finish_reason for d in resp.choices} == {pb.FINISH_REASON_LENGTH}
+    assert [lp.token_id for lp in resp.choices[0].prompt_logprobs] == prompt[1:]
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(prompt), 0)

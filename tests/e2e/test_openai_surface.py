@@ -295,6 +295,77 @@ def test_prompt_logprobs_match_transformers(
     assert streamed_lps[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_as_transformers(
+    client: openai.OpenAI, model: str, http: httpx.Client, hf_smollm2
+) -> None:  # type: ignore[no-untyped-def]
+    """lm-evaluation-harness's loglikelihood request (echo, max_tokens 0, logprobs,
+    temperature 0), as the legacy OpenAI API and vLLM answer it: the prompt's text with
+    each prompt token's logprob (the first null) equal to transformers' log-softmax,
+    nothing generated (finish_reason length, completion_tokens 0); token-id prompts, a
+    batch with n = 2 and streaming alike. max_tokens 0 without echo stays a 400."""
+    import torch
+
+    texts = ["The quick brown fox jumps over the lazy dog", "Paris is the capital of"]
+    ids = [_ids(http, t) for t in texts]
+    want = []
+    with torch.no_grad():
+        for p in ids:
+            logp = torch.log_softmax(hf_smollm2(torch.tensor([p])).logits[0].float(), -1)
+            want.append([logp[i, p[i + 1]].item() for i in range(len(p) - 1)])
+    kw: dict[str, Any] = {"model": model, "max_tokens": 0, "temperature": 0, "echo": True}
+    r = client.completions.create(prompt=texts[0], logprobs=1, **kw)
+    (c,) = r.choices
+    assert (c.text, c.finish_reason) == (texts[0], "length")
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (
+        len(ids[0]),
+        0,
+    )
+    lp = c.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids[0])
+    assert lp.token_logprobs[1:] == pytest.approx(want[0], abs=0.05)
+    assert "".join(lp.tokens) == texts[0] and lp.text_offset is not None
+    assert lp.top_logprobs is not None and all(len(t) in (1, 2) for t in lp.top_logprobs[1:])
+
+    batch = client.completions.create(prompt=ids, n=2, logprobs=0, **kw)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
+    assert batch.usage is not None and batch.usage.completion_tokens == 0
+    for ch in batch.choices:
+        i = ch.index // 2
+        assert (ch.text, ch.finish_reason) == (texts[i], "length")
+        got = ch.logprobs.token_logprobs  # type: ignore[union-attr]
+        assert got is not None and got[0] is None
+        assert got[1:] == pytest.approx(want[i], abs=0.05)
+
+    chunks = list(
+        client.completions.create(
+            prompt=texts,
+            n=2,
+            logprobs=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            **kw,
+        )
+    )
+    by_index: dict[int, list[Any]] = {}
+    for chunk in chunks:
+        for ch in chunk.choices:
+            by_index.setdefault(ch.index, []).append(ch)
+    assert sorted(by_index) == [0, 1, 2, 3]
+    for index, pieces in by_index.items():
+        assert "".join(p.text for p in pieces) == texts[index // 2]
+        assert pieces[-1].finish_reason == "length"
+        lps = [x for p in pieces if p.logprobs is not None for x in p.logprobs.token_logprobs]
+        assert lps[0] is None and lps[1:] == pytest.approx(want[index // 2], abs=0.05)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 0
+    plain = list(client.completions.create(prompt=texts[1], stream=True, **kw))
+    assert "".join(ch.text for chunk in plain for ch in chunk.choices) == texts[1]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=texts[0], max_tokens=0)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "max_tokens"
+
+
 def test_vllm_shapes(client: openai.OpenAI, model: str) -> None:
     """What vLLM's own OpenAI-server tests read: null extension keys, stop_reason, the
     chat stream's first chunk, per-chunk usage only with include_usage, n role chunks."""

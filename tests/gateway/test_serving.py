@@ -485,6 +485,23 @@ def test_echo_with_logprobs_asks_for_prompt_logprobs() -> None:
     assert not plain.params.HasField("prompt_logprobs")
 
 
+def test_echo_with_max_tokens_0_asks_for_the_prompt_alone(
+    client: TestClient, link: FakeLink
+) -> None:
+    """echo + max_tokens 0 (scoring a prompt) is a prompt_only call, not max_tokens 0
+    (up to the context); without echo max_tokens 0 is a 400 naming it, as vLLM's."""
+    body = {"model": MODEL, "prompt": "Hi", "echo": True, "max_tokens": 0, "logprobs": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    (call,) = link.mux.calls
+    assert call.params.prompt_only and call.params.max_tokens == 0
+    assert call.params.prompt_logprobs == 1
+    r = client.post("/v1/completions", json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    assert len(link.mux.calls) == 1
+    client.post("/v1/completions", json={**body, "max_tokens": 1})
+    assert not link.mux.calls[-1].params.prompt_only
+
+
 @pytest.mark.parametrize(("logprobs", "prompt_logprobs"), [(1, 3), (3, 1), (2, None)])
 def test_echoed_logprobs_and_prompt_logprobs_each_get_their_own_count(
     client: TestClient, link: FakeLink, logprobs: int, prompt_logprobs: int | None
