@@ -615,7 +615,9 @@ class ChatServing(Serving[ChatCompletionRequest]):
         st = call.tool_streams.get(d.index)
         if st is None:
             st = call.tool_streams[d.index] = ToolStream(
-                {t.function.name for t in body.tools or ()}, body.parallel_tool_calls
+                {t.function.name for t in body.tools or ()},
+                body.parallel_tool_calls,
+                forced=tool_calls.forced(body) is not None,
             )
         out: list[dict[str, Any]] = []
         text = st.feed(c.text)
@@ -633,7 +635,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
             for i, tc in enumerate(st.calls):
                 out.append(chunk({"tool_calls": [{"index": i, **tc}]}))  # whole arguments
             reason = FINISH.get(c.finish_reason)
-            if st.calls and reason == "stop":
+            if st.calls and not st.cut and reason == "stop":
                 reason = "tool_calls"
             out.append(chunk({}, finish_reason=reason, stop_reason=stop_reason(c)))
         return out
@@ -660,12 +662,17 @@ class ChatServing(Serving[ChatCompletionRequest]):
             message: dict[str, Any] = {"role": "assistant", "content": echo + st.text}
             reason = FINISH.get(st.finish_reason)
             if names is not None:
-                content, calls = tool_calls.parse(st.text, names, body.parallel_tool_calls)
+                parallel, forced = body.parallel_tool_calls, tool_calls.forced(body) is not None
+                content, calls = tool_calls.parse(st.text, names, parallel)
                 if calls:
-                    if content is None and tool_calls.forced(body) is not None:
+                    if content is None and forced:
                         content = ""  # a forced call has no text (vLLM answers "")
                     message = {"role": "assistant", "content": content, "tool_calls": calls}
                     reason = "tool_calls" if reason == "stop" else reason
+                elif forced:  # cut short (max_tokens): what it got to, no markup as content
+                    message = {"role": "assistant", "content": ""}
+                    if cut := tool_calls.cut_calls(st.text, names, parallel):
+                        message["tool_calls"] = cut
             choice = {
                 "index": i,
                 "message": message,

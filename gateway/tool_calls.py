@@ -137,6 +137,44 @@ def _calls(value: Any, names: set[str]) -> list[dict[str, Any]] | None:
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
+def cut_calls(text: str, names: set[str], parallel: bool = True) -> list[dict[str, Any]]:
+    """The calls of a forced call's text that ended before its grammar did (max_tokens, a
+    stop string): those written whole, then the one being written, its `arguments` as far
+    as they got (OpenAI's are text, then not JSON: the client sees how far it got, as
+    OpenAI and vLLM give a call cut short) once its name is known (the text may hold a
+    prefix of one name alone). The text is a prefix of `grammar`'s language."""
+    calls = _cut_calls(text, names)
+    return calls if parallel else calls[:1]
+
+
+def _cut_calls(text: str, names: set[str]) -> list[dict[str, Any]]:
+    start, head = OPEN + "[", '{"name": "'
+    if not text.startswith(start):
+        return []
+    rest, calls = text[len(start) :], list[dict[str, Any]]()
+    while rest and not rest.startswith("]"):
+        try:
+            obj, end = _DECODER.raw_decode(rest)
+        except json.JSONDecodeError:
+            break  # the call being written
+        if (call := _call(obj, names)) is None:
+            return calls
+        calls.append(call)
+        rest = rest[end:].removeprefix(", ")
+    if not rest.startswith(head):
+        return calls
+    name, quote, after = rest[len(head) :].partition('"')
+    known = [name] if quote else [n for n in names if n.startswith(name)]
+    if len(known) == 1 and known[0] in names:
+        args = after.removeprefix(', "arguments": ') if after.startswith(', "arguments": ') else ""
+        call = {"name": known[0], "arguments": args}
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call})
+    return calls
+
+
+_DECODER = json.JSONDecoder()
+
+
 def parse(
     text: str, names: set[str], parallel: bool = True
 ) -> tuple[str | None, list[dict[str, Any]]]:
@@ -182,10 +220,12 @@ class ToolStream:
 
     names: set[str]
     parallel: bool = True  # as parse's
+    forced: bool = False  # tool_choice required or named: the text is a call, maybe cut
     text: str = ""
     sent: int = 0  # characters of `text` streamed as content
     holding: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)
+    cut: bool = False  # the calls are those of a forced call cut short (cut_calls)
 
     def feed(self, delta: str) -> str:
         """The content to stream now."""
@@ -215,6 +255,9 @@ class ToolStream:
         """At the end: the calls (in `calls`), and what is left of the content."""
         rest = self.text[self.sent :]
         content, self.calls = parse(rest, self.names, self.parallel)
+        if not self.calls and self.forced:  # cut short: no markup as content
+            self.calls, self.cut = cut_calls(rest, self.names, self.parallel), True
+            return ""
         if self.calls:
             # Content before the block went out already; what parse kept is the head.
             return (content or "") if self.sent == 0 else ""

@@ -308,6 +308,45 @@ def test_forced_tool_calls_parse_validate_and_stream_the_same(
     _parallel(run, [(i, q, s) for i, q in enumerate(QUESTIONS * 2) for s in (False, True)])
 
 
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_tool_call_cut_by_max_tokens_gives_its_arguments_so_far(
+    client: openai.OpenAI, model: str, choice: str
+) -> None:
+    """max_tokens cuts the forced call: finish_reason length, no markup as content, the
+    call with its arguments as far as they got (a prefix of the whole call's), streamed
+    alike (as OpenAI and vLLM give a call cut short)."""
+    tool_choice: Any = (
+        "required"
+        if choice == "required"
+        else {"type": "function", "function": {"name": "get_weather"}}
+    )
+    kw: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": QUESTIONS[0]}],
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**kw, max_tokens=200).choices[0]
+    (call,) = whole.message.tool_calls or []
+    name, args = call.function.name, call.function.arguments
+    for max_tokens in (4, 16, 20):
+        c = client.chat.completions.create(**kw, max_tokens=max_tokens).choices[0]
+        assert c.finish_reason == "length" and c.message.content == ""
+        cut = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+        assert len(cut) <= 1 and all(n == name and args.startswith(a) for n, a in cut)
+        assert max_tokens == 4 or cut, "the name was written: the call is there"
+        streamed, reasons = [], []
+        for chunk in client.chat.completions.create(**kw, max_tokens=max_tokens, stream=True):
+            for ch in chunk.choices:
+                assert not ch.delta.content
+                reasons.append(ch.finish_reason)
+                for d in ch.delta.tool_calls or []:
+                    assert d.function is not None
+                    streamed.append((d.function.name, d.function.arguments))
+        assert streamed == cut and reasons[-1] == "length"
+
+
 def test_tool_results_go_through_the_template(client: openai.OpenAI, model: str) -> None:
     messages: list[Any] = [
         {"role": "user", "content": "What is the weather in Paris?"},

@@ -317,6 +317,45 @@ TWO_CALLS = [
 
 
 @pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "add"}}]
+)
+@pytest.mark.parametrize(
+    ("pieces", "args"),
+    [
+        ([TWO_CALLS[0], '{"name": "add", "arguments": {"a'], ['{"a": 1}', '{"a']),
+        (['<tool_call>[{"name": "ad'], [""]),
+        (["<tool_call>["], []),
+    ],
+)
+def test_a_forced_call_cut_short_is_its_calls_so_far_not_markup(
+    client: TestClient, link: FakeLink, tool_choice: Any, pieces: list[str], args: list[str]
+) -> None:
+    """A forced call that max_tokens cuts short (finish_reason length) gives the calls
+    written so far, the last one's arguments as far as they got (OpenAI and vLLM give a
+    truncated call's arguments so), never the call's markup as content; streamed alike."""
+    link.mux.pieces = pieces
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "1 + 1, 2 + 2?"}],
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+    }
+    (choice,) = client.post("/v1/chat/completions", json=body).json()["choices"]
+    message = choice["message"]
+    assert choice["finish_reason"] == "length" and message["content"] == ""
+    calls = message.get("tool_calls", [])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("add", a) for a in args
+    ]
+    streamed = _events(client.post("/v1/chat/completions", json=body | {"stream": True}).text)
+    chunks = [c["choices"][0] for c in streamed if c["choices"]]
+    assert not "".join(c["delta"].get("content") or "" for c in chunks)
+    deltas = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    assert [tc["function"]["arguments"] for tc in deltas] == args
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
     ("parameters", "needle"),
     [
         ({"type": "object", "properties": []}, '[] is not of type "object" (at properties)'),

@@ -105,6 +105,39 @@ def _body(**kw: object) -> ChatCompletionRequest:
     )
 
 
+CALL = '<tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        ("", []),
+        ("<tool_c", []),
+        ('<tool_call>[{"name": "', []),
+        ('<tool_call>[{"name": "a', [("add", "")]),  # the one name it can be
+        ('<tool_call>[{"name": "get_weather", "argu', [("get_weather", "")]),
+        ('<tool_call>[{"name": "get_weather", "arguments": {"ci', [("get_weather", '{"ci')]),
+        (CALL, [("get_weather", '{"city": "Paris"}')]),
+        (
+            CALL + '{"name": "add", "arguments": {"a": 1',
+            [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1')],
+        ),
+        (CALL[:-2] + "]</tool", [("get_weather", '{"city": "Paris"}')]),  # cut in its end tag
+    ],
+)
+def test_a_forced_call_cut_short_keeps_what_was_written(text: str, calls: list) -> None:  # type: ignore[type-arg]
+    got = tool_calls.cut_calls(text, NAMES)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
+    first = tool_calls.cut_calls(text, NAMES, parallel=False)
+    assert [c["function"] for c in first] == [c["function"] for c in got[:1]]
+    stream = tool_calls.ToolStream(NAMES, forced=True)
+    for k in range(0, len(text), 5):  # streamed: no content, the same calls
+        assert stream.feed(text[k : k + 5]) == ""
+    assert stream.finish() == ""
+    assert [c["function"] for c in stream.calls] == [c["function"] for c in got]
+
+
 def test_checks_refuse_unknown_named_function_and_choice_without_tools() -> None:
     with pytest.raises(APIError, match="not among the tools"):
         tool_calls.check(_body(tool_choice={"type": "function", "function": {"name": "nope"}}))
