@@ -59,7 +59,9 @@ async def _run(
     compute_args: list[str],
     async_scheduling: bool | None = None,
     steps_ahead: int | None = None,
-) -> list[dict[str, int]]:
+) -> tuple[list[dict[str, int]], dict[str, Any]]:
+    """The timeline of the timed round, and the scheduling the control plane applied (the
+    flags as resolved at attach: unset, async scheduling is on only for a GPU)."""
     from control_plane.config import ControlConfig
     from control_plane.engine import ControlEngine
     from control_plane.tokenizer import load_tokenizer
@@ -81,6 +83,9 @@ async def _run(
         )
         await engine.start()
         await asyncio.wait_for(engine.attached.wait(), 120)
+        plane = engine.plane
+        assert plane is not None  # (attached)
+        applied = {"async_scheduling": plane.async_scheduling, "steps_ahead": plane.steps_ahead}
 
         async def batch(seed: int) -> None:
             work = make_workload(Preset(concurrency, (64, 64), (output_len, output_len)), seed)
@@ -99,7 +104,7 @@ async def _run(
         await batch(2)
         timeline = engine.timeline
         await engine.stop()
-    return timeline
+    return timeline, applied
 
 
 def analyse(timeline: list[dict[str, int]], concurrency: int) -> dict[str, Any]:
@@ -259,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model = str(resolve_model_path(args.model))
     except ModelNotFoundError as e:
         ap.error(f"--model: {e}")
-    timeline = asyncio.run(
+    timeline, applied = asyncio.run(
         _run(
             model,
             args.concurrency,
@@ -275,8 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model": Path(model).name,
         "concurrency": args.concurrency,
         "compute_args": args.compute_arg,
-        "async_scheduling": args.async_scheduling,
-        "steps_ahead": args.steps_ahead,
+        **applied,  # (as applied: the flags left unset are the control plane's defaults)
         "ms": result,
         "steps": raw_steps(timeline, args.concurrency),
     }

@@ -358,6 +358,9 @@ def test_step_timeline_tiny(tmp_path: Path) -> None:
     report = profile.main([*args, "--out", str(out), "--plot", str(png)])
     ms = report["ms"]
     assert ms["decode_steps"] >= 5 and json.loads(out.read_text())["concurrency"] == 3
+    # The scheduling applied, the flags left unset (they were recorded as null): a compute
+    # plane on a CPU is driven one step at a time.
+    assert (report["async_scheduling"], report["steps_ahead"]) == (False, 1)
     for phase in ("schedule", "encode", "grpc_send", "grpc_return", "update", "forward"):
         assert ms[phase]["mean"] > 0, phase
     # The hops of a step are parts of it (the marks of a step are its own, not those of a
