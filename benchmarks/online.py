@@ -128,6 +128,21 @@ async def one_request(http: httpx.AsyncClient, model: str, r: Request) -> Sample
     return s
 
 
+def served_model(url: str) -> str:
+    """The model the gateway at `url` serves (the first of its /v1/models), or ValueError
+    saying why there is none to ask: nothing listening, not a URL, not an OpenAI API."""
+    try:
+        resp = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
+    except (httpx.HTTPError, httpx.InvalidURL) as e:
+        raise ValueError(f"GET /v1/models failed: {e or type(e).__name__}") from None
+    if resp.status_code != 200:
+        raise ValueError(f"GET /v1/models answered HTTP {resp.status_code}")
+    try:
+        return str(resp.json()["data"][0]["id"])
+    except (ValueError, LookupError, TypeError):
+        raise ValueError("GET /v1/models answered no OpenAI model list") from None
+
+
 def arrival_gaps(kind: str, n: int, rate: float, seed: int) -> Iterator[float]:
     rng = random.Random(seed + 1)
     for _ in range(n):
@@ -439,6 +454,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--rate must be a positive number for --arrival {args.arrival}")
     if args.num_requests < 0:
         ap.error("--num-requests must be at least 0 (0: the workload's default)")
+    if args.url and not args.launch:  # (before anything runs: a traceback at its first request)
+        try:
+            served_model(args.url)
+        except ValueError as e:
+            ap.error(f"--url {args.url}: no gateway to benchmark there: {e}")
     work = build_workload(args.workload, args.num_requests, args.preset, args.seed)
     report: dict[str, Any] = {
         "benchmark": "online",

@@ -175,6 +175,22 @@ def test_online_bad_flags_are_usage_errors(
     assert stop.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_online_url_with_no_gateway_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listening at --url stops before any run, naming it (it was httpx's
+    ConnectError in a traceback at the warm-up's first request)."""
+    from hetero_infer.local import free_port
+
+    url, out = f"http://127.0.0.1:{free_port()}", tmp_path / "o.json"
+    with pytest.raises(SystemExit) as stop:
+        online.main(["--url", url, "--preset", "tiny", "--out", str(out), "--no-progress"])
+    assert stop.value.code == 2 and not out.exists()
+    assert f"--url {url}: no gateway to benchmark there: GET /v1/models failed" in (
+        capsys.readouterr().err
+    )
+
+
 def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
     args = ["--seqs", "2", "--steps", "20", "--stream-intervals", "1,4"]
     report = overhead.main([*args, "--out", str(tmp_path / "o.json")])
