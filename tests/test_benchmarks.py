@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +365,62 @@ def test_peers_side_by_side_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert 0 < one["compute_decode_step_ms"] < one["itl_mean_ms"]
         assert many["errors"] == 0 and many["requests"] == 3
         assert 3 * 4 <= many["output_tokens"] <= 3 * 8
+
+
+def test_peers_report_keeps_the_parts_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report is written after each part (a server, quiet or busy), the parts not
+    measured listed: a stack that failed to start, or a run interrupted, kept nothing (the
+    report was written at the end only)."""
+    import contextlib
+
+    state = {"busy": False, "interrupt_busy": False}
+
+    @contextlib.contextmanager
+    def ours(gguf: Path, quantization: str) -> Iterator[tuple[str, None]]:
+        if quantization == "none":
+            raise RuntimeError("the fp32 stack did not start")
+        yield "http://127.0.0.1:9", None
+
+    @contextlib.contextmanager
+    def busy_loop(on: bool) -> Iterator[None]:
+        state["busy"] = on
+        yield
+
+    async def batch_one_split(*_: Any) -> dict[str, Any]:
+        return {"decode_tokens_per_s": 10.0}
+
+    async def concurrent(*_: Any) -> dict[str, Any]:
+        if state["busy"] and state["interrupt_busy"]:
+            raise KeyboardInterrupt
+        return {"output_tokens_per_s": 8.0}
+
+    for name, fake in [("ours", ours), ("busy_loop", busy_loop), ("concurrent", concurrent)]:
+        monkeypatch.setattr(peers, name, fake)
+    monkeypatch.setattr(peers, "batch_one_split", batch_one_split)
+    monkeypatch.setenv("LLAMA_SERVER", str(tmp_path / "no-such-llama-server"))
+    out = tmp_path / "peers.json"
+    measured = {
+        "batch_1": {"decode_tokens_per_s": 10.0},
+        "concurrent_24": {"output_tokens_per_s": 8.0},
+    }
+
+    with pytest.raises(RuntimeError, match="the fp32 stack did not start"):
+        peers.main(["--busy", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["servers"] == {"ours_quantized": {"quiet": measured, "busy": measured}}
+    assert report["ratios"] == {"concurrent_24_busy_vs_quiet": 1.0}
+    assert report["unfinished"] == ["ours_fp32/quiet", "ours_fp32/busy"]
+    assert report["failed"] == {"ours_fp32": "RuntimeError: the fp32 stack did not start"}
+
+    state["interrupt_busy"] = True  # Ctrl-C in the busy part: the quiet one is kept
+    with pytest.raises(KeyboardInterrupt):
+        peers.main(["--busy", "--skip-fp32", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["servers"] == {"ours_quantized": {"quiet": measured}}
+    assert report["unfinished"] == ["ours_quantized/busy"] and "failed" not in report
+    assert [p.name for p in tmp_path.iterdir()] == ["peers.json"]  # (no temporary file left)
 
 
 def test_step_timeline_tiny(tmp_path: Path) -> None:
