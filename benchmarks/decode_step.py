@@ -1,12 +1,20 @@
 """One decode step of the bundled model on the CPU: its time and where it goes.
 
     python -m benchmarks.decode_step                          # torch vs cpu backend, profiles
+    python -m benchmarks.decode_step --quantization none      # the weights dequantized to fp32
     python -m benchmarks.decode_step --compare-ref 736fb2c~1  # and the torch attention of a commit
+
+The weights are what the compute plane runs (`--quantization`, as its flag: `auto` by
+default, a quantized GGUF's matrices kept quantized on their C kernels; `none`: dense
+fp32), and so is the step: with the cpu backend and quantized layer matrices, a decode
+step runs in one C call (compute_plane/decode_cpu.py), as it does served. The report
+records both (`quantization`, `weights`, each row's `fused`).
 
 Runs the model's forward and lm_head for B decodes at context C over a KV cache whose
 blocks are scattered, as in a long-running server, with the torch backend (gather +
-SDPA) and the cpu backend (C kernel reading blocks in place), and profiles each; then
-the cpu backend's step with the projections by MKL (F.linear) and by oneDNN. `--compare-ref` loads
+SDPA) and the cpu backend (C kernel reading blocks in place), and profiles each; then,
+with dense weights, the cpu backend's step with the projections by MKL (F.linear) and by
+oneDNN (quantized matrices run on their own kernels whichever is set). `--compare-ref` loads
 `compute_plane/attention/torch_backend.py` (before: `compute_plane/attention.py`) as it was at a git revision (through `git show`) and
 times the same step with it: the before/after of an attention change. `--prefills`
 times the prefill of one prompt of N tokens with nothing cached (forward + lm_head of
@@ -33,10 +41,14 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.workload import ROOT, machine, unknown_revision, write_report
+from compute_plane import quant
 from compute_plane.attention import AttentionMetadata, TorchPagedAttention
-from compute_plane.attention.cpu import CPUPagedAttention
+from compute_plane.attention.factory import model_kernels
+from compute_plane.config import ComputeConfig
+from compute_plane.decode_cpu import FusedDecode
+from compute_plane.device import resolve_quantization
+from compute_plane.engine import load_for
 from compute_plane.kv_cache import KVCache
-from compute_plane.loader import load_model
 from compute_plane.model import Model, onednn_linear, with_quantized
 from hetero_common.model_path import resolve_model_path
 
@@ -54,6 +66,9 @@ CATEGORIES = {
     "attention (SDPA)": ("aten::_scaled_dot_product", "aten::scaled_dot_product"),
     "kv write": ("aten::index_copy", "aten::index_put"),
     "attention (C kernel)": ("cpu_decode_attention",),
+    # (C calls the profiler cannot see: named around them while profiling, _named_kernels)
+    "quantized matmul (C kernel)": ("quantized_linear",),
+    "fused decode step (C kernel)": ("fused_decode",),
 }
 
 
@@ -80,10 +95,43 @@ def _old_attention(ref: str) -> Any:
 BS = 16  # tokens per KV block
 
 
-def _profile(step: Callable[[], None]) -> dict[str, float]:
+def _named_kernels(model: Model) -> Callable[[], None]:
+    """Name the quantized matmuls and the fused decode step (C calls through ctypes, which
+    the profiler does not see) in its trace; returns what puts the model back."""
+    linear, fused = model.linear, model.fused
+
+    def named_linear(x: torch.Tensor, w: Any, bias: torch.Tensor | None) -> torch.Tensor:
+        if not isinstance(w, quant.QuantWeight):  # (torch ops, seen as they are)
+            return linear(x, w, bias)
+        with torch.profiler.record_function("quantized_linear"):
+            return linear(x, w, bias)
+
+    class NamedFused:
+        max_rows = FusedDecode.max_rows
+
+        def __call__(self, *args: Any) -> torch.Tensor:
+            assert fused is not None
+            with torch.profiler.record_function("fused_decode"):
+                return fused(*args)
+
+    model.linear = named_linear
+    if fused is not None:
+        model.fused = NamedFused()  # type: ignore[assignment]
+
+    def restore() -> None:
+        model.linear, model.fused = linear, fused
+
+    return restore
+
+
+def _profile(model: Model, step: Callable[[], None]) -> dict[str, float]:
     """Share of one step's CPU time per category (CATEGORIES)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        step()
+    restore = _named_kernels(model)
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+    finally:
+        restore()
     share: dict[str, float] = defaultdict(float)
     total = 0.0
     for ev in prof.key_averages():
@@ -95,7 +143,8 @@ def _profile(step: Callable[[], None]) -> dict[str, float]:
 
 def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int) -> dict[str, Any]:
     """A decode step of `b` sequences at context `c`, blocks scattered over the cache:
-    each attention backend, each linear kernel, and a profile of the two backends."""
+    each attention backend (the cpu one by the fused step where the compute plane would
+    take it), each linear kernel (dense weights), and a profile of the two backends."""
     nb = -(-c // BS)
     cache = KVCache(cfg, b * nb + 1, BS, torch.float32, torch.device("cpu"))
     ids = list(range(1, b * nb + 1))
@@ -116,22 +165,40 @@ def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int
             times.append(time.perf_counter() - t)
         return round(statistics.median(times[1:]) * 1e3, 1)
 
+    fused = model.fused  # (the cpu backend's, built with the model where it applies)
+
+    def use(name: str) -> None:
+        model.attention = backends[name]
+        model.fused = fused if name == "cpu" else None
+
     row: dict[str, Any] = {"batch": b, "context": c}
-    for name, backend in backends.items():
-        model.attention = backend
+    row["fused"] = fused is not None and b <= fused.max_rows
+    for name in backends:
+        use(name)
         row[f"{name}_ms"] = timed()
-    model.attention = backends["cpu"]
+    use("cpu")
     chosen = model.linear
     # Alternated, twice each: this machine's speed drifts within a run.
-    for lname, lin in [*LINEARS.items()] * 2:
+    for lname, lin in [*LINEARS.items()] * 2 if _weights(model) == "fp32" else []:
         model.linear = with_quantized(lin)
         key = f"cpu_{lname}_ms"
         row[key] = min(timed(), row.get(key, float("inf")))
     model.linear = chosen
     for name in ("torch", "cpu"):
-        model.attention = backends[name]
-        row[f"profile_{name}"] = _profile(step)
+        use(name)
+        row[f"profile_{name}"] = _profile(model, step)
+    use("cpu")
     return row
+
+
+def _weights(model: Model) -> str:
+    """What the layers' matrices are: fp32 (dense), q4 / q8 (quantized groups of 32)."""
+    kinds = {
+        w.kind if isinstance(w, quant.QuantWeight) else "fp32"
+        for layer in model.layers
+        for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    }
+    return "+".join(sorted(kinds))
 
 
 def _prefill_row(model: Model, cfg: Any, backends: dict[str, Any], n: int) -> dict[str, Any]:
@@ -164,6 +231,13 @@ def _prefill_row(model: Model, cfg: Any, backends: dict[str, Any], n: int) -> di
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="default")
+    ap.add_argument(
+        "--quantization",
+        default=ComputeConfig.quantization,
+        choices=("auto", "none", "int8"),
+        help="the weights, as the compute plane's flag (default: its own, auto: a quantized "
+        "GGUF's matrices stay quantized)",
+    )
     ap.add_argument("--shapes", default="1x300,4x300,16x300,48x300,48x600", help="BxC,...")
     ap.add_argument("--prefills", default="512,2048", help="prompt lengths to time a prefill of")
     ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' attention")
@@ -171,18 +245,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if args.compare_ref and (why := unknown_revision(args.compare_ref)):
         ap.error(f"--compare-ref: {why}")
-    loaded = load_model(resolve_model_path(args.model), progress=False)
+    # The model as a compute plane on the CPU loads and runs it (fp32, the cpu backend's
+    # kernels, the fused decode step where it applies).
+    config = ComputeConfig(device="cpu", quantization=args.quantization)
+    cpu = torch.device("cpu")
+    try:
+        mode = resolve_quantization(config.quantization, cpu, torch.float32)
+    except ValueError as e:  # (int8 where the quantized kernels cannot be built)
+        ap.error(str(e))
+    loaded = load_for(config, resolve_model_path(args.model))
     cfg = loaded.config
-    model = Model(cfg, loaded.weights, torch.device("cpu"), torch.float32, 4096)
-    scale = cfg.head_dim**-0.5
-    backends: dict[str, Any] = {
-        "torch": TorchPagedAttention(scale),
-        "cpu": CPUPagedAttention(scale),
-    }
+    weights = quant.prepare(loaded.weights, mode, cpu)
+    kernels = model_kernels("cpu", cfg, cpu)
+    model = Model(
+        cfg, weights, cpu, torch.float32, 4096, kernels, activations=config.cpu_activations
+    )
+    scale = cfg.scale
+    backends: dict[str, Any] = {"torch": TorchPagedAttention(scale), "cpu": model.attention}
     if args.compare_ref:
         backends = {f"at {args.compare_ref}": _old_attention(args.compare_ref)(scale), **backends}
     report: dict[str, Any] = {"benchmark": "decode_step", "machine": machine()}
     report["threads"] = torch.get_num_threads()
+    report["quantization"] = args.quantization
+    report["weights"] = _weights(model)
+    report["weight_mb"] = round(model.weight_bytes / 1e6, 1)
     report["steps"] = []
     for shape in args.shapes.split(","):
         b, c = (int(x) for x in shape.split("x"))

@@ -333,13 +333,29 @@ def test_compare_ref_not_a_commit_is_a_usage_error(
 
 
 def test_decode_step_profile_tiny(tmp_path: Path) -> None:
+    """By default the weights serve runs (the bundled GGUF's 4-bit matrices, --quantization
+    auto), a decode step by the fused C call as served; it timed them dequantized to fp32."""
     args = ["--shapes", "2x20", "--prefills", "24"]
     report = decode_step.main([*args, "--out", str(tmp_path / "d.json")])
     assert report["machine"]["cpu"]  # (what the figures were measured on)
+    assert (report["quantization"], report["weights"]) == ("auto", "q4")
     (prefill,) = report["prefills"]
     assert prefill["prefill_tokens"] == 24 and prefill["torch_ms"] > 0 and prefill["cpu_ms"] > 0
     (row,) = report["steps"]
-    assert row["batch"] == 2 and row["torch_ms"] > 0 and row["cpu_ms"] > 0
+    assert row["batch"] == 2 and row["torch_ms"] > 0 and row["cpu_ms"] > 0 and row["fused"]
+    assert "cpu_mkl_ms" not in row  # (no dense matrix for MKL or oneDNN to run)
+    for backend in ("torch", "cpu"):
+        assert abs(sum(row[f"profile_{backend}"].values()) - 1) < 0.01
+    assert row["profile_torch"]["quantized matmul (C kernel)"] > 0
+    assert row["profile_cpu"]["fused decode step (C kernel)"] > 0.5  # (the whole forward)
+
+
+def test_decode_step_profile_of_dense_weights_tiny(tmp_path: Path) -> None:
+    args = ["--shapes", "2x20", "--prefills", "", "--quantization", "none"]
+    report = decode_step.main([*args, "--out", str(tmp_path / "d.json")])
+    assert (report["quantization"], report["weights"]) == ("none", "fp32")
+    (row,) = report["steps"]
+    assert row["batch"] == 2 and not row["fused"] and row["cpu_mkl_ms"] > 0
     for backend in ("torch", "cpu"):
         assert abs(sum(row[f"profile_{backend}"].values()) - 1) < 0.01
         assert row[f"profile_{backend}"]["matmul"] > 0
