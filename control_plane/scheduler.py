@@ -343,7 +343,13 @@ class Scheduler:
             new_ids = bm.allocate(req, n, prefix)
             if new_ids is None:
                 req.num_computed_tokens = hit if forked else 0
-                break
+                # With nothing running, no block is ever freed but those forked choices
+                # hold while they wait behind this request (n > 1): give them back, or
+                # the queue waits forever. The choices compute their prompt themselves
+                # (a prefix-cache hit where it is still cached).
+                if self.running or not self._unfork_waiting(req):
+                    break
+                continue
             self.waiting.popleft()
             wire += size
             if req.num_cached_tokens < 0:
@@ -486,6 +492,19 @@ class Scheduler:
                 sampled[rid] = token
                 return True
         return False
+
+    def _unfork_waiting(self, head: Request) -> bool:
+        """Free the blocks that waiting requests other than `head` hold (forked choices);
+        whether there were any."""
+        holders = [
+            r
+            for r in self.waiting
+            if r is not head and self.block_manager.holds_blocks(r.request_id)
+        ]
+        for r in holders:
+            self._release(r)
+            r.num_computed_tokens = 0
+        return bool(holders)
 
     def _fork_siblings(self, parent: Request) -> None:
         siblings = self.pending_forks.pop(parent.request_id)

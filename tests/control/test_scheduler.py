@@ -75,11 +75,16 @@ def _check_step(sched: Scheduler, out: SchedulerOutput, compute: FakeCompute) ->
 
 
 def _run(
-    sched: Scheduler, requests: list[Request], seed: int, compute: FakeCompute | None = None
+    sched: Scheduler,
+    requests: list[Request],
+    seed: int,
+    compute: FakeCompute | None = None,
+    forks: dict[str, Request] | None = None,
 ) -> None:
+    """Run to the end; `forks` maps a choice's id to its first choice (n > 1)."""
     compute = compute or FakeCompute(random.Random(seed))
     for r in requests:
-        sched.add_request(r)
+        sched.add_request(r, fork_of=(forks or {}).get(r.request_id))
     for _ in range(5000):
         if not sched.has_work:
             break
@@ -144,6 +149,56 @@ def test_random_workloads_finish_within_budgets(w: tuple[Scheduler, list[Request
     bm = sched.block_manager
     bm.check_integrity()
     assert bm.num_free_blocks == bm.pool.num_usable
+
+
+@st.composite
+def n_workloads(
+    draw: st.DrawFn,
+) -> tuple[Scheduler, list[Request], dict[str, Request], int]:
+    """`workloads` where some requests are n > 1: choices forked from a first one."""
+    sched, firsts, seed = draw(workloads())
+    reqs: list[Request] = []
+    forks: dict[str, Request] = {}
+    for first in firsts:
+        reqs.append(first)
+        for j in range(draw(st.integers(0, 3))):
+            choice = Request(
+                f"{first.request_id}.{j}",
+                list(first.prompt_token_ids),
+                max_tokens=draw(st.integers(1, first.max_tokens)),
+                ignore_eos=draw(st.booleans()),
+                eos_token_ids=frozenset({EOS}),
+            )
+            reqs.append(choice)
+            forks[choice.request_id] = first
+    return sched, reqs, forks, seed
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_workloads())
+def test_random_workloads_with_n_choices_finish_and_free_every_block(
+    w: tuple[Scheduler, list[Request], dict[str, Request], int],
+) -> None:
+    sched, reqs, forks, seed = w
+    _run(sched, reqs, seed, forks=forks)
+    bm = sched.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.pool.num_usable
+    assert not sched.pending_forks and not sched.requests
+
+
+def test_forked_choices_waiting_behind_a_preempted_request_give_back_their_blocks() -> None:
+    """P's second choice C forks P's prompt blocks and waits; R, preempted, goes back in
+    front of it. Once P ends nothing runs, and C's blocks were the ones R lacked: the
+    queue waited forever (no step, R and C never finished). C now gives them back."""
+    sched = Scheduler(num_blocks=9, block_size=BS, max_model_len=32, max_num_batched_tokens=64)
+    p = Request("P", list(range(1, 13)), max_tokens=4, ignore_eos=True)
+    c = Request("C", list(range(1, 13)), max_tokens=4, ignore_eos=True)
+    r = Request("R", list(range(20, 40)), max_tokens=12, ignore_eos=True)
+    _run(sched, [p, c, r], seed=0, forks={"C": p})
+    assert sched.num_preemptions > 0
+    assert [x.num_output_tokens for x in (p, c, r)] == [4, 4, 12]
+    assert sched.block_manager.num_free_blocks == 8
 
 
 def test_tight_pool_preempts_and_still_finishes() -> None:
