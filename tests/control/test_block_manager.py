@@ -130,13 +130,35 @@ def test_allocate_failure_changes_nothing() -> None:
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / prefix-hit sequences on a small pool."""
+    """Random allocate / append / fork / free / prefix-hit sequences on a small pool, with
+    the KV cache written as a compute plane would: a reused block holds the K/V of the
+    same whole prefix, and no request writes into a block another one holds."""
 
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(num_blocks=10, block_size=BS)
         self.live: dict[str, Request] = {}
         self.next_id = 0
+        # The KV cache as the compute plane would hold it: each slot's K/V stand for the
+        # whole prefix up to its position (the token and every token before it).
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def _compute(self, req: Request) -> None:
+        """Write the request's uncomputed positions, then count them computed. A block
+        written is held by this request alone (another's K/V would be overwritten)."""
+        table = self.bm.block_ids(req.request_id)
+        for pos in range(req.num_computed_tokens, req.num_tokens):
+            block = table[pos // BS]
+            assert self.bm.pool.blocks[block].ref_cnt == 1, f"write into shared block {block}"
+            self.kv[block, pos % BS] = tuple(req.token_ids[: pos + 1])
+        _compute_all(self.bm, req)
+
+    def _check_reused(self, req: Request) -> None:
+        """The blocks it starts with (a prefix hit, a fork) hold its own prefix's K/V."""
+        table = self.bm.block_ids(req.request_id)
+        for pos in range(req.num_computed_tokens):
+            got = self.kv.get((table[pos // BS], pos % BS))
+            assert got == tuple(req.token_ids[: pos + 1]), f"{req.request_id} reuses wrong K/V"
 
     @rule(n=st.integers(1, 14), vocab=st.integers(1, 3))
     def admit(self, n: int, vocab: int) -> None:
@@ -145,7 +167,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         req = _req(rid, [(i * 7) % vocab for i in range(n)])
         if _admit(self.bm, req) is not None:
-            _compute_all(self.bm, req)
+            self._check_reused(req)
+            self._compute(req)
             self.live[rid] = req
 
     @precondition(lambda self: self.live)
@@ -154,7 +177,7 @@ class PoolMachine(RuleBasedStateMachine):
         req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
         req.token_ids.append(data.draw(st.integers(0, 2)))
         if self.bm.allocate(req, 1) is not None:
-            _compute_all(self.bm, req)
+            self._compute(req)
         else:
             req.token_ids.pop()
 
@@ -168,7 +191,8 @@ class PoolMachine(RuleBasedStateMachine):
         if self.bm.allocate(child, child.num_tokens - child.num_computed_tokens) is None:
             self.bm.free(child)
             return
-        _compute_all(self.bm, child)
+        self._check_reused(child)
+        self._compute(child)
         self.live[child.request_id] = child
 
     @precondition(lambda self: self.live)
@@ -269,7 +293,12 @@ class WindowedPoolMachine(PoolMachine):
     @rule(data=st.data())
     def append(self, data: st.DataObject) -> None:
         req = self.live[data.draw(st.sampled_from(sorted(self.live)))]
-        _advance(self.bm, req, data.draw(st.integers(0, 2)))
+        req.token_ids.append(data.draw(st.integers(0, 2)))
+        if self.bm.allocate(req, 1) is None:
+            req.token_ids.pop()
+            return
+        self._compute(req)
+        self.bm.release_outside_window(req)
 
     @invariant()
     def consistent(self) -> None:

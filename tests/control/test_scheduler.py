@@ -26,12 +26,17 @@ EOS = 0
 
 
 class FakeCompute:
-    """Mirrors what the compute plane keeps: page tables and tokens, rebuilt from the diffs."""
+    """Mirrors what the compute plane keeps: page tables and tokens, rebuilt from the diffs,
+    and the KV cache: each slot holds the K/V of the whole prefix up to its position."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, window: int | None = None) -> None:
         self.tables: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
         self.rng = rng
+        # With a sliding window a table keeps the ids of blocks given back, which another
+        # request may then write: no check of shared writes then.
+        self.window = window
 
     def step(self, out: SchedulerOutput) -> dict[str, int]:
         for rid in out.finished_ids:
@@ -41,13 +46,23 @@ class FakeCompute:
             assert s.request.request_id not in self.tables, "sent in full twice"
             self.tables[s.request.request_id] = list(s.block_ids)
             self.computed[s.request.request_id] = s.num_computed_tokens
+            # What it starts with (a prefix hit, a fork) is the K/V of its own prefix.
+            for pos in range(s.num_computed_tokens):
+                got = self.kv.get((s.block_ids[pos // BS], pos % BS))
+                assert got == tuple(s.request.token_ids[: pos + 1]), "reuses wrong K/V"
         for c in out.continuing:
             self.tables[c.request.request_id].extend(c.new_block_ids)
         sampled = {}
         for req, n in out.scheduled():
             rid = req.request_id
+            table = self.tables[rid]
+            assert self.computed[rid] + n <= len(table) * BS, "tokens beyond the blocks"
+            for pos in range(self.computed[rid], self.computed[rid] + n):
+                block = table[pos // BS]
+                others = (t for r, t in self.tables.items() if r != rid)
+                assert self.window or not any(block in t for t in others), f"write into {block}"
+                self.kv[block, pos % BS] = tuple(req.token_ids[: pos + 1])
             self.computed[rid] += n
-            assert self.computed[rid] <= len(self.tables[rid]) * BS, "tokens beyond the blocks"
             if self.computed[rid] == req.num_tokens:
                 sampled[rid] = self.rng.randrange(0, 12)  # token 0 is EOS
         return sampled
@@ -368,7 +383,7 @@ def test_a_sliding_window_gives_back_blocks_instead_of_preempting(window: int | 
         sliding_window=window,
     )  # fmt: skip
     reqs = [Request(f"r{i}", [5 + i] * 10, max_tokens=20, ignore_eos=True) for i in range(2)]
-    compute = FakeCompute(random.Random(0))
+    compute = FakeCompute(random.Random(0), window)
     for r in reqs:
         sched.add_request(r)
     while sched.has_work:
