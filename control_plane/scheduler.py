@@ -459,6 +459,8 @@ class Scheduler:
                 tokens.append(token)
                 req.num_pending = 0
                 if (status := req.stop_check(token, max_model_len)) is not None:
+                    if forks and rid in forks:  # (its prompt is computed: it sampled)
+                        self._fork_siblings(req)  # before its blocks are freed, as update
                     self.finish(rid, status)
                     finished.append(req)
                     continue

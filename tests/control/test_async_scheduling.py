@@ -64,6 +64,8 @@ class _ComputePlane:
         self.salt = salt
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.prompt_len: dict[str, int] = {}  # (its tokens when first sent)
+        self.prompt_work = 0  # prompt positions computed, in all
 
     def run(self, step: _Step) -> dict[str, int]:
         for rid in step.finished_ids:
@@ -73,10 +75,13 @@ class _ComputePlane:
         for rid, ids, computed, n in step.new:
             assert rid not in self.tokens, f"{rid} sent in full while held"
             self.tokens[rid], self.computed[rid] = ids, computed
+            self.prompt_len.setdefault(rid, len(ids))
             work.append((rid, n))
         sampled = {}
         for rid, n in work + step.scheduled:
             toks = self.tokens[rid]
+            start = self.computed[rid]
+            self.prompt_work += max(0, min(start + n, self.prompt_len[rid]) - start)
             self.computed[rid] += n
             assert self.computed[rid] <= len(toks), f"{rid}: positions past its tokens"
             if self.computed[rid] == len(toks):
@@ -85,21 +90,38 @@ class _ComputePlane:
         return sampled
 
 
-def _requests(rng: random.Random, n: int) -> list[Request]:
+def _requests(rng: random.Random, n: int, max_choices: int = 1) -> list[Request]:
+    """n streams; with max_choices > 1, each of 1 to max_choices choices ("r3.0", "r3.1",
+    ...: the first's prompt forked, as `_add` queues them), max_tokens often 1."""
     reqs = []
     for i in range(n):
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
-        reqs.append(Request(f"r{i}", prompt, rng.randrange(1, 20), eos_token_ids=frozenset({EOS})))
+        if max_choices == 1:
+            max_tokens = rng.randrange(1, 20)
+            reqs.append(Request(f"r{i}", prompt, max_tokens, eos_token_ids=frozenset({EOS})))
+            continue
+        max_tokens = rng.choice((1, rng.randrange(2, 20)))
+        for j in range(rng.randrange(1, max_choices + 1)):
+            reqs.append(Request(f"r{i}.{j}", prompt, max_tokens, eos_token_ids=frozenset({EOS})))
     return reqs
 
 
-def _scheduler(num_blocks: int) -> Scheduler:
+def _add(sched: Scheduler, reqs: list[Request]) -> None:
+    """Queue requests as the engine queues a stream's choices: "r3.1" forks "r3.0"."""
+    firsts: dict[str, Request] = {}
+    for r in reqs:
+        first = firsts.setdefault(r.request_id.split(".")[0], r)
+        sched.add_request(r, fork_of=None if first is r else first)
+
+
+def _scheduler(num_blocks: int, prefix_caching: bool = True) -> Scheduler:
     return Scheduler(
         num_blocks=num_blocks,
         block_size=BS,
         max_model_len=(num_blocks - 1) * BS,
         max_num_seqs=4,
         max_num_batched_tokens=16,
+        enable_prefix_caching=prefix_caching,
     )
 
 
@@ -111,11 +133,12 @@ def _stop_strings(sched: Scheduler, sampled: dict[str, int]) -> None:
             sched.finish(rid, Status.FINISHED_STOPPED)
 
 
-def _run_sync(reqs: list[Request], num_blocks: int, salt: int) -> Scheduler:
-    sched = _scheduler(num_blocks)
-    cp = _ComputePlane(salt)
-    for r in reqs:
-        sched.add_request(r)
+def _run_sync(
+    reqs: list[Request], num_blocks: int, salt: int, cp: _ComputePlane | None = None
+) -> Scheduler:
+    sched = _scheduler(num_blocks, prefix_caching=cp is None)
+    cp = cp or _ComputePlane(salt)
+    _add(sched, reqs)
     for _ in range(2000):
         if not sched.has_work:
             break
@@ -127,13 +150,17 @@ def _run_sync(reqs: list[Request], num_blocks: int, salt: int) -> Scheduler:
 
 
 def _run_async(
-    reqs: list[Request], num_blocks: int, salt: int, ahead: int = 1
+    reqs: list[Request],
+    num_blocks: int,
+    salt: int,
+    ahead: int = 1,
+    cp: _ComputePlane | None = None,
 ) -> tuple[Scheduler, int]:
-    """As the control plane's loop: up to `ahead` steps planned beyond the one awaited."""
-    sched = _scheduler(num_blocks)
-    cp = _ComputePlane(salt)
-    for r in reqs:
-        sched.add_request(r)
+    """As the control plane's loop: up to `ahead` steps planned beyond the one awaited.
+    (Given a compute plane to count its work, the prefix cache is off.)"""
+    sched = _scheduler(num_blocks, prefix_caching=cp is None)
+    cp = cp or _ComputePlane(salt)
+    _add(sched, reqs)
     in_flight: deque[tuple[SchedulerOutput, _Step]] = deque()
     overlapped = 0
     for _ in range(4000):
@@ -175,6 +202,29 @@ def test_async_schedule_gives_the_tokens_of_the_sync_one(
         assert (b.output_token_ids, b.status) == (a.output_token_ids, a.status), a.request_id
     sched.block_manager.check_integrity()
     assert sched.block_manager.num_free_blocks == num_blocks - 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 3))
+def test_n_choices_planned_ahead_compute_each_prompt_once(seed: int, ahead: int) -> None:
+    """n > 1: the other choices fork the first's prompt blocks planned ahead as one step at
+    a time (also when the first's first token ends it): the same prompt positions are
+    computed, and the same tokens come. A pool that never preempts; the prefix cache off,
+    so sharing comes from the forks alone."""
+    rng = random.Random(seed)
+    n = rng.randrange(1, 6)
+    salt = rng.randrange(1000)
+    sync_reqs = _requests(random.Random(seed), n, max_choices=3)
+    async_reqs = _requests(random.Random(seed), n, max_choices=3)
+    sync_cp, async_cp = _ComputePlane(salt), _ComputePlane(salt)
+    sync = _run_sync(sync_reqs, 64, salt, sync_cp)
+    sched, _ = _run_async(async_reqs, 64, salt, ahead, async_cp)
+    assert sync.num_preemptions == sched.num_preemptions == 0
+    for a, b in zip(sync_reqs, async_reqs, strict=True):
+        assert (b.output_token_ids, b.status) == (a.output_token_ids, a.status), a.request_id
+    assert async_cp.prompt_work == sync_cp.prompt_work
+    sched.block_manager.check_integrity()
+    assert sched.block_manager.num_free_blocks == 63
 
 
 @pytest.mark.parametrize(("ahead", "seed", "num_blocks"), [(1, 3, 9), (2, 4, 8)])
@@ -304,3 +354,41 @@ def test_a_prompt_only_request_ends_by_length_with_no_output(ahead: bool) -> Non
     assert sched.schedule().finished_ids == ["a"]
     sched.block_manager.check_integrity()
     assert sched.block_manager.num_free_blocks == 15
+
+
+@pytest.mark.parametrize("end", ["max_tokens", "eos", "prompt_only"])
+@pytest.mark.parametrize("ahead", [False, True])
+def test_n_siblings_fork_a_first_choice_that_its_first_token_ends(end: str, ahead: bool) -> None:
+    """n > 1: the other choices fork the first's prompt blocks when its prompt is computed,
+    also when the token sampled then ends it (max_tokens 1, EOS, a prompt-only request);
+    planned ahead, they were put back to compute the prompt again (its blocks freed first)."""
+    # Prefix caching off: any sharing must come from the fork.
+    sched = Scheduler(num_blocks=20, block_size=BS, max_model_len=40, enable_prefix_caching=False)
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
+    kw = {"eos_token_ids": frozenset({EOS}), "prompt_only": end == "prompt_only"}
+    max_tokens = 1 if end != "eos" else 5
+    first, *siblings = [Request(f"c{i}", prompt, max_tokens, **kw) for i in range(3)]
+    sched.add_request(first)
+    for s in siblings:
+        sched.add_request(s, fork_of=first)
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.new] == ["c0"]  # siblings wait for the prompt
+    parent_blocks = list(out.new[0].block_ids)
+    token = EOS if end == "eos" else 5
+    if ahead:
+        sched.advance(out)
+        nxt = sched.schedule(lookahead=True)  # (EOS: its decode; else nothing to plan)
+        sched.advance(nxt)
+        assert sched.resolve(out, {"c0": token}) == [first]
+    else:
+        assert sched.update(out, {"c0": token}) == [first]
+    out = sched.schedule()
+    forked = {s.request.request_id: s for s in out.new}
+    assert set(forked) == {"c1", "c2"}
+    for s in forked.values():  # the prompt's full blocks shared, its tail recomputed
+        assert s.num_computed_tokens == 8 and s.num_scheduled_tokens == 2
+        assert s.block_ids[:2] == parent_blocks[:2] and s.block_ids[2] not in parent_blocks[:2]
+    assert forked["c1"].block_ids[2] != forked["c2"].block_ids[2]
+    assert out.num_tokens == 4  # not 20: the prompt is computed once
+    assert [sched.block_manager.pool.blocks[b].ref_cnt for b in parent_blocks[:2]] == [2, 2]
+    sched.block_manager.check_integrity()

@@ -20,7 +20,7 @@ import pytest
 from hetero_infer.local import free_port
 from hetero_proto import control_pb2 as pb
 from tests.e2e.test_speculative import MAX_BLOCKS, _run, _same
-from tests.procs import compute_plane
+from tests.procs import compute_plane, gateway_stack
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +45,13 @@ def _steps(
             key = "ahead" if f'{label}="true"' in line else "sync"
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _computed(metrics_port: int) -> float:
+    """Tokens a compute plane has computed (its tokens-per-step histogram's sum)."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    name = "hetero_compute_tokens_per_step_sum"
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name))
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +115,30 @@ def test_speculative_decoding_with_async_scheduling_keeps_greedy_text(
     got, stats = _run(compute, "--async-scheduling", "--speculative", "ngram")
     _same(got, sequential[0])
     assert stats.num_spec_accepted_tokens > 0
+
+
+def test_n_choices_compute_the_prompt_once_when_the_first_token_ends_them() -> None:
+    """n > 1 planned ahead: the compute plane computes the prompt once (the other choices
+    fork the first's blocks, recomputing only its partly filled last block), also when the
+    token sampled with the prompt ends the choice (max_tokens 1; a prompt-only scoring
+    request: echo with max_tokens 0). The first choice was freed before its blocks were
+    handed on, so each choice computed the whole prompt. The choices' texts agree."""
+    prompt = "Count the ways: " + " ".join(f"item {i} is {i * 7 % 13}" for i in range(30))
+    with gateway_stack(control_args=("--async-scheduling",)) as stack:
+        model = httpx.get(stack.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        for extra in (
+            {"max_tokens": 1, "temperature": 0},
+            {"max_tokens": 0, "echo": True, "logprobs": 1},
+        ):
+            before = _computed(stack.compute_metrics)
+            body = {"model": model, "prompt": prompt, "n": 3, **extra}
+            r = httpx.post(stack.url + "/v1/completions", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            computed = _computed(stack.compute_metrics) - before
+            num_prompt = r.json()["usage"]["prompt_tokens"]
+            assert num_prompt > 100
+            # The prompt once, 2 tails of under a block (16) each, nothing else sampled.
+            assert num_prompt < computed < num_prompt + 2 * 16, (extra, computed, num_prompt)
+            choices = r.json()["choices"]
+            assert [c["index"] for c in choices] == [0, 1, 2]
+            assert len({c["text"] for c in choices}) == 1, choices
