@@ -459,6 +459,7 @@ class Scheduler:
                 tokens.append(token)
                 req.num_pending = 0
                 if (status := req.stop_check(token, max_model_len)) is not None:
+                    cache_computed(req)  # its blocks stay in the prefix cache once freed
                     if forks and rid in forks:  # (its prompt is computed: it sampled)
                         self._fork_siblings(req)  # before its blocks are freed, as update
                     self.finish(rid, status)

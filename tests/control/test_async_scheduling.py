@@ -392,3 +392,33 @@ def test_n_siblings_fork_a_first_choice_that_its_first_token_ends(end: str, ahea
     assert out.num_tokens == 4  # not 20: the prompt is computed once
     assert [sched.block_manager.pool.blocks[b].ref_cnt for b in parent_blocks[:2]] == [2, 2]
     sched.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("end", ["max_tokens", "eos", "prompt_only"])
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_request_its_first_token_ends_leaves_its_prompt_in_the_prefix_cache(
+    end: str, ahead: bool
+) -> None:
+    """The full blocks of a request's prompt are indexed for the prefix cache when the
+    step that computed them comes back, also when the token sampled then ends it: planned
+    ahead, resolve freed it unindexed, so a later request with that prompt (the next
+    max_tokens 1 or scoring request over one context) computed it all again."""
+    sched = _scheduler(16)
+    prompt = list(range(1, 11))  # 2 full blocks + 2 tokens
+    kw = {"eos_token_ids": frozenset({EOS}), "prompt_only": end == "prompt_only"}
+    req = Request("a", prompt, 1 if end != "eos" else 5, **kw)
+    sched.add_request(req)
+    out = sched.schedule()
+    token = EOS if end == "eos" else 5
+    if ahead:
+        sched.advance(out)
+        sched.advance(sched.schedule(lookahead=True))  # (EOS: its decode; else nothing)
+        assert sched.resolve(out, {"a": token}) == [req]
+    else:
+        assert sched.update(out, {"a": token}) == [req]
+    again = Request("b", [*prompt, 11], 1, eos_token_ids=frozenset({EOS}))
+    sched.add_request(again)
+    out = sched.schedule()
+    assert [(s.request, s.num_computed_tokens) for s in out.new] == [(again, 2 * BS)]
+    assert again.num_cached_tokens == 2 * BS
+    sched.block_manager.check_integrity()
