@@ -9,7 +9,10 @@ or poisson (exponential gaps, mean 1/rate), with an optional --max-concurrency c
 Per request: TTFT (to the first streamed token), TPOT ((e2e - TTFT) / (tokens - 1)),
 ITL (gaps between streamed chunks) and end-to-end latency; per run: request and token
 throughput and goodput (requests/s meeting --slo-ttft-ms and --slo-tpot-ms). With a
-control plane address (given, or --launch), KV memory waste is sampled during the run.
+control plane address (given, or --launch), KV memory waste is sampled during the run:
+a --control that does not answer ModelInfo is a usage error before anything runs, and
+one that stops answering mid-run ends the sampling only (why, in the run's
+`kv_waste_error`; `kv_waste` is of the samples taken before).
 
 Workloads (random token ids, EOS ignored, seeded): `random` (lengths of --preset),
 `chunked-prefill` (75% long prompts of 1024-1536 tokens, 25% short), and `prefix`
@@ -155,15 +158,29 @@ def arrival_gaps(kind: str, n: int, rate: float, seed: int) -> Iterator[float]:
 
 
 def kv_waste(control: str) -> float | None:
-    with grpc.insecure_channel(control) as ch:
-        st = (
-            pb_grpc.ControlPlaneStub(ch)
-            .ModelInfo(pb.ModelInfoRequest(detailed=True), timeout=5)
-            .stats
-        )
+    """The share of the allocated KV slots the control plane at `control` holds unused
+    (None: none allocated), or ValueError saying why it cannot be read."""
+    try:
+        with grpc.insecure_channel(control) as ch:
+            st = (
+                pb_grpc.ControlPlaneStub(ch)
+                .ModelInfo(pb.ModelInfoRequest(detailed=True), timeout=5)
+                .stats
+            )
+    except grpc.RpcError as e:
+        said = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.Call) else repr(e)
+        raise ValueError(f"ModelInfo failed: {said}") from None
     if not st.num_kv_slots_allocated:
         return None
     return 1.0 - st.num_kv_slots_used / st.num_kv_slots_allocated
+
+
+@dataclass
+class KvSamples:
+    """A run's samples of the KV waste; `error`: why sampling stopped before the run ended."""
+
+    waste: list[float] = field(default_factory=list)
+    error: str | None = None
 
 
 async def run(
@@ -175,9 +192,9 @@ async def run(
     control: str | None,
     seed: int,
     progress: bool = True,
-) -> tuple[list[Sample], float, list[float]]:
+) -> tuple[list[Sample], float, KvSamples]:
     limit = asyncio.Semaphore(max_concurrency or len(work))
-    waste: list[float] = []
+    kv = KvSamples()
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
         bar = tqdm(
@@ -192,9 +209,13 @@ async def run(
 
         async def sample_kv(stop: asyncio.Event) -> None:
             while control and not stop.is_set():
-                w = await asyncio.to_thread(kv_waste, control)
+                try:
+                    w = await asyncio.to_thread(kv_waste, control)
+                except Exception as e:  # (the run goes on: its figures are not the sampler's)
+                    kv.error = str(e) if isinstance(e, ValueError) else repr(e)
+                    return
                 if w is not None:
-                    waste.append(w)
+                    kv.waste.append(w)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.25)
 
@@ -214,7 +235,7 @@ async def run(
         stop.set()
         await sampler
         bar.close()
-    return samples, duration, waste
+    return samples, duration, kv
 
 
 def _dist(xs: list[float]) -> dict[str, float] | None:
@@ -237,7 +258,7 @@ def summarize(
     samples: list[Sample],
     work: list[Request],
     duration: float,
-    waste: list[float],
+    kv: KvSamples,
     slo: tuple[float, float],
 ) -> dict[str, Any]:
     ok = [s for s in samples if s.error is None and s.done is not None]
@@ -265,13 +286,16 @@ def summarize(
         "e2e_ms": _dist([s.e2e for s in ok if s.e2e is not None]),
         "kv_waste": (
             {
-                "mean": round(statistics.fmean(waste), 4),
-                "max": round(max(waste), 4),
-                "samples": len(waste),
+                "mean": round(statistics.fmean(kv.waste), 4),
+                "max": round(max(kv.waste), 4),
+                "samples": len(kv.waste),
             }
-            if waste
+            if kv.waste
             else None
         ),
+        # (why sampling stopped before the run ended: the figures above are of the samples
+        # taken before)
+        "kv_waste_error": kv.error,
     }
 
 
@@ -400,12 +424,13 @@ class _Sessions:
         seed = a.seed + 1000 * self.runs_started
         self.runs_started += 1
         work = build_workload(a.workload, a.num_requests, a.preset, seed)
-        samples, duration, waste = asyncio.run(
+        samples, duration, kv = asyncio.run(
             run(url, work, arrival, rate, cap, control, seed, not a.no_progress)
         )
         r = {"arrival": arrival, "rate": rate, "max_concurrency": cap}
-        r |= summarize(samples, work, duration, waste, (a.slo_ttft_ms, a.slo_tpot_ms))
-        print(json.dumps({k: r[k] for k in (*_SHOWN, "ttft_ms", "kv_waste")}))
+        r |= summarize(samples, work, duration, kv, (a.slo_ttft_ms, a.slo_tpot_ms))
+        shown = (*_SHOWN, "ttft_ms", "kv_waste", *(("kv_waste_error",) if kv.error else ()))
+        print(json.dumps({k: r[k] for k in shown}))
         return r
 
     def session(self, url: str, control: str | None, tag: dict[str, Any]) -> None:
@@ -459,6 +484,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             served_model(args.url)
         except ValueError as e:
             ap.error(f"--url {args.url}: no gateway to benchmark there: {e}")
+    if args.control and not args.launch:  # (else its sampler failed after every request)
+        try:
+            kv_waste(args.control)
+        except ValueError as e:
+            ap.error(f"--control {args.control}: no control plane to sample there: {e}")
     work = build_workload(args.workload, args.num_requests, args.preset, args.seed)
     report: dict[str, Any] = {
         "benchmark": "online",

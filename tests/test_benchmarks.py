@@ -192,6 +192,51 @@ def test_online_url_with_no_gateway_is_a_usage_error(
     )
 
 
+def test_online_control_with_no_control_plane_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing at --control stops before any run, naming it: its KV sampler's gRPC error
+    was raised at the end of the run, after every request, and the report was lost."""
+    from hetero_infer.local import free_port
+
+    monkeypatch.setattr(online, "served_model", lambda url: "m")  # (a gateway at --url)
+    control, out = f"127.0.0.1:{free_port()}", tmp_path / "o.json"
+    with pytest.raises(SystemExit) as stop:
+        online.main(["--url", "http://127.0.0.1:9", "--control", control, "--out", str(out)])
+    assert stop.value.code == 2 and not out.exists()
+    assert (
+        f"--control {control}: no control plane to sample there: ModelInfo failed: UNAVAILABLE"
+        in capsys.readouterr().err
+    )
+
+
+def test_online_kv_sampler_failing_mid_run_keeps_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A control plane that stops answering mid-run: the run's figures are kept, and the
+    report says why sampling stopped (the sampler's error ended the run in a traceback,
+    after every request, and nothing was written)."""
+    from hetero_infer.local import free_port
+
+    real, dead = online.kv_waste, f"127.0.0.1:{free_port()}"
+    calls: list[str] = []
+
+    def kv_waste(control: str) -> float | None:  # the first sample, then nothing there
+        calls.append(control)
+        return real(control if len(calls) == 1 else dead)
+
+    monkeypatch.setattr(online, "kv_waste", kv_waste)
+    out = tmp_path / "online.json"
+    args = ["--launch", "--preset", "tiny", "--arrival", "fixed", "--rate", "4"]
+    report = online.main([*args, "--out", str(out), "--no-progress"])
+    (r,) = report["runs"]
+    assert r["completed"] == r["requests"] == PRESETS["tiny"].num_requests and not r["errors"]
+    assert len(calls) == 2  # (fixed arrivals at 4/s: a run of over 1 s, a sample per 0.25 s)
+    assert r["kv_waste_error"].startswith("ModelInfo failed: UNAVAILABLE")
+    assert r["kv_waste"] is None or r["kv_waste"]["samples"] == 1
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+
+
 def test_control_plane_overhead_tiny(tmp_path: Path) -> None:
     args = ["--seqs", "2", "--steps", "20", "--stream-intervals", "1,4"]
     report = overhead.main([*args, "--out", str(tmp_path / "o.json")])
