@@ -9,6 +9,10 @@
 (c) ours through all three processes (HTTP -> gateway -> gRPC -> control -> compute).
 Greedy, EOS ignored, same model, same machine, one after the other; (a) and the gRPC
 path (`run_grpc`) each run an untimed warm-up round first (`warmup_work`).
+
+The report is written after each of (a), (b) and (c): a run stopped or failing part way
+keeps the parts it measured (`unfinished`: those not measured; `failed`: the one that
+raised).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from benchmarks.workload import PRESETS, Request, machine, make_workload, preset_dict, write_report
+from benchmarks.workload import PRESETS, ReportParts, Request, machine, make_workload, preset_dict
 from hetero_common.model_path import resolve_model_path
 
 if TYPE_CHECKING:
@@ -248,22 +252,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "runs": [],
     }
-    ours = run_ours(args.model, work)
-    report["runs"].append(ours)
-    print(json.dumps(ours))
+    skipped = {"ours": False, "hf": args.skip_hf, "gateway": args.skip_gateway}
+    parts = ReportParts(args.out, report, [p for p, skip in skipped.items() if not skip])
+    with parts.part("ours"):
+        ours = run_ours(args.model, work)
+        report["runs"].append(ours)
+        print(json.dumps(ours))
     if not args.skip_hf:
-        hf = run_hf(args.model, work, args.hf_batch_size)
-        report["runs"].append(hf)
-        report["ours_vs_hf"] = round(ours["output_tokens_per_s"] / hf["output_tokens_per_s"], 2)
-        print(json.dumps(hf))
+        with parts.part("hf"):
+            hf = run_hf(args.model, work, args.hf_batch_size)
+            report["runs"].append(hf)
+            ratio = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
+            report["ours_vs_hf"] = round(ratio, 2)
+            print(json.dumps(hf))
     if not args.skip_gateway:
-        gw = run_gateway(args.model, work, args.concurrency)
-        report["runs"].append(gw)
-        ratio = gw["output_tokens_per_s"] / ours["output_tokens_per_s"]
-        report["gateway_vs_offline"] = round(ratio, 2)
-        print(json.dumps(gw))
+        with parts.part("gateway"):
+            gw = run_gateway(args.model, work, args.concurrency)
+            report["runs"].append(gw)
+            ratio = gw["output_tokens_per_s"] / ours["output_tokens_per_s"]
+            report["gateway_vs_offline"] = round(ratio, 2)
+            print(json.dumps(gw))
     report["machine"]["load_average_after"] = machine()["load_average"]
-    write_report(args.out, report)
+    parts.write()
     for key in ("ours_vs_hf", "gateway_vs_offline"):
         if key in report:
             print(f"{key}: {report[key]}x")

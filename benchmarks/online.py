@@ -17,6 +17,10 @@ one that stops answering mid-run ends the sampling only (why, in the run's
 Workloads (random token ids, EOS ignored, seeded): `random` (lengths of --preset),
 `chunked-prefill` (75% long prompts of 1024-1536 tokens, 25% short), and `prefix`
 (a shared ~1k-token prefix plus a short distinct suffix, for the prefix cache).
+
+The report is written after each run: a sweep stopped or failing part way keeps the runs
+it made (`unfinished`: those not made, e.g. `rate=0.5`, `prefix_caching=off/single`;
+`failed`: the one that raised, or the `warm-up` or `launch` before them).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import grpc
 import httpx
 from tqdm import tqdm
 
-from benchmarks.workload import PRESETS, Request, machine, make_workload
+from benchmarks.workload import PRESETS, ReportParts, Request, machine, make_workload
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
 
@@ -409,11 +413,17 @@ _SHOWN = ("arrival", "rate", "max_concurrency", "completed", "output_token_throu
 
 class _Sessions:
     """The runs of one invocation: a session per stack (two with prefix caching on/off),
-    each a warm-up and then the sweep's runs, appended to `report["runs"]`."""
+    each a warm-up and then the sweep's runs, appended to `report["runs"]`, the report
+    written after each run (`ReportParts`: a part per run, named as `_sweep` names it,
+    after its session's prefix)."""
 
     def __init__(self, args: argparse.Namespace, report: dict[str, Any]) -> None:
         self.args, self.report = args, report
         self.runs_started = 0
+        self.sweep = _sweep(args)
+        prefixes = list(_PREFIX_CACHING.values()) if args.compare_prefix_caching else [""]
+        names = [prefix + part for prefix in prefixes for part, *_ in self.sweep]
+        self.parts = ReportParts(args.out, report, names)
 
     def one(
         self, url: str, control: str | None, arrival: str, rate: float, cap: int | None
@@ -433,29 +443,49 @@ class _Sessions:
         print(json.dumps({k: r[k] for k in shown}))
         return r
 
-    def session(self, url: str, control: str | None, tag: dict[str, Any]) -> None:
+    def session(self, url: str, control: str | None, tag: dict[str, Any], prefix: str = "") -> None:
         a, runs = self.args, self.report["runs"]
         # Unrecorded warm-up: the first steps of a fresh process pay for allocator
         # growth and first-touch page faults, which would land on the first run only.
         warm = build_workload(a.workload, 4, a.preset, a.seed + 999_999)
-        asyncio.run(run(url, warm, "burst", 0.0, None, None, a.seed, False))
+        with self.parts.failing(prefix + "warm-up"):
+            asyncio.run(run(url, warm, "burst", 0.0, None, None, a.seed, False))
         self.runs_started = 0  # the same prompts in each session (prefix caching on / off)
-        for rate in [float(x) for x in a.rates.split(",") if x]:
-            runs.append({"sweep": "rate", **tag, **self.one(url, control, "poisson", rate, None)})
-        for cap in [int(x) for x in a.concurrencies.split(",") if x]:
-            runs.append({"sweep": "concurrency", **tag, **self.one(url, control, "burst", 0, cap)})
-        if not (a.rates or a.concurrencies):
-            r = self.one(url, control, a.arrival, a.rate, a.max_concurrency)
-            runs.append({"sweep": "single", **tag, **r})
+        for part, sweep, arrival, rate, cap in self.sweep:
+            with self.parts.part(prefix + part):
+                runs.append({"sweep": sweep, **tag, **self.one(url, control, arrival, rate, cap)})
+
+    def launched(
+        self,
+        control_args: tuple[str, ...] = (),
+        tag: dict[str, Any] | None = None,
+        prefix: str = "",
+    ) -> None:
+        """A session on a stack of its own (its start or stop failing: `{prefix}launch`)."""
+        model = self.args.model
+        with self.parts.failing(prefix + "launch"), launched(model, control_args) as (url, control):
+            self.session(url, control, tag or {}, prefix)
 
     def compare_prefix_caching(self) -> None:
         for on in (True, False):
             flag = "--enable-prefix-caching" if on else "--no-enable-prefix-caching"
-            with launched(self.args.model, (flag,)) as (url, control):
-                self.session(url, control, {"prefix_caching": on})
+            self.launched((flag,), {"prefix_caching": on}, _PREFIX_CACHING[on])
         ttft = {r["prefix_caching"]: r["ttft_ms"]["p50"] for r in self.report["runs"]}
         self.report["ttft_p50_ratio_off_vs_on"] = round(ttft[False] / ttft[True], 2)
         print(f"TTFT p50: caching off / on = {self.report['ttft_p50_ratio_off_vs_on']}x")
+
+
+_PREFIX_CACHING = {True: "prefix_caching=on/", False: "prefix_caching=off/"}
+
+
+def _sweep(args: argparse.Namespace) -> list[tuple[str, str, str, float, int | None]]:
+    """A session's runs: (part name, sweep, arrival, rate, max concurrency) each."""
+    rates = [float(x) for x in args.rates.split(",") if x]
+    caps = [int(x) for x in args.concurrencies.split(",") if x]
+    runs: list[tuple[str, str, str, float, int | None]]
+    runs = [(f"rate={r}", "rate", "poisson", r, None) for r in rates]
+    runs += [(f"concurrency={c}", "concurrency", "burst", 0, c) for c in caps]
+    return runs or [("single", "single", args.arrival, args.rate, args.max_concurrency)]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -501,13 +531,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.compare_prefix_caching:
         sessions.compare_prefix_caching()
     elif args.launch:
-        with launched(args.model) as (url, control):
-            sessions.session(url, control, {})
+        sessions.launched()
     else:
         sessions.session(args.url, args.control, {})
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot(report, args.out.parent) if not args.compare_prefix_caching else []
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    sessions.parts.write()
     print(f"report: {args.out}")
     return report
 

@@ -13,6 +13,10 @@ Beside each figure, `in_process` splits the same loop without gRPC or processes:
 control plane's own step code (schedule, build the step, apply the result, output
 processing) driven in one process against the harness's logic, each part timed. The
 gap between the two is gRPC, the Generate streams and the event loop.
+
+The report is written after each measurement (API, stream interval, count): a run
+stopped or failing part way keeps those it made (`unfinished`: those not made; `failed`:
+the one that raised).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 import grpc
 
 from benchmarks.instant_compute import InstantCompute
-from benchmarks.workload import machine, write_report
+from benchmarks.workload import ReportParts, machine
 from control_plane.compute_client import InProcessLink, sampled_tokens
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
@@ -240,6 +244,10 @@ def breakdown(
     return asyncio.run(run())
 
 
+def _part(api: str, stream_interval: int, num_seqs: int) -> str:
+    return f"{api}/stream_interval={stream_interval}/seqs={num_seqs}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--seqs", default="1,64,256", help="running sequences to measure at")
@@ -255,16 +263,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/overhead.json"))
     args = ap.parse_args(argv)
+    try:
+        intervals = [int(x) for x in args.stream_intervals.split(",")]
+        counts = [int(x) for x in args.seqs.split(",")]
+    except ValueError as e:
+        ap.error(f"--seqs / --stream-intervals: {e}")
+    plan = [(api, i, n) for api in args.apis.split(",") for i in intervals for n in counts]
     report: dict[str, Any] = {"benchmark": "control-plane overhead", "machine": machine()}
     report["results"] = []
-    for api in args.apis.split(","):
-        for interval in (int(x) for x in args.stream_intervals.split(",")):
-            for n in (int(x) for x in args.seqs.split(",")):
-                r = measure(n, args.steps, interval, api)
-                r["in_process"] = breakdown(n, args.steps, interval, api)
-                report["results"].append(r)
-                print(json.dumps(r))
-    write_report(args.out, report)
+    parts = ReportParts(args.out, report, [_part(*p) for p in plan])
+    for api, interval, n in plan:
+        with parts.part(_part(api, interval, n)):
+            r = measure(n, args.steps, interval, api)
+            r["in_process"] = breakdown(n, args.steps, interval, api)
+            report["results"].append(r)
+            print(json.dumps(r))
     print(f"report: {args.out}")
     return report
 

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from benchmarks.online import Sample, launched, one_request
-from benchmarks.workload import Preset, Request, machine, make_workload, preset_dict, write_report
+from benchmarks.workload import Preset, ReportParts, Request, machine, make_workload, preset_dict
 from hetero_common.model_path import bundled_gguf
 
 SINGLE = Preset(1, (64, 64), (128, 128))
@@ -259,23 +259,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workloads": {"batch_1": preset_dict(SINGLE), "concurrent_24": preset_dict(MIXED)},
         "servers": servers,
         "ratios": {},
-        "unfinished": [f"{name}/{c}" for name, _ in runs for c in conditions],
     }
+    parts = ReportParts(args.out, report, [f"{name}/{c}" for name, _ in runs for c in conditions])
 
     def done(name: str, condition: str, row: dict[str, Any]) -> None:
         servers.setdefault(name, {})[condition] = row
-        report["unfinished"].remove(f"{name}/{condition}")
         report["ratios"] = _ratios(servers)
-        write_report(args.out, report)
+        parts.done(f"{name}/{condition}")
 
     for name, start in runs:
-        try:
-            with start() as server:
-                measure(name, server, model, conditions, args.seed, partial(done, name))
-        except Exception as e:
-            report.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
-            write_report(args.out, report)
-            raise
+        with parts.failing(name), start() as server:
+            measure(name, server, model, conditions, args.seed, partial(done, name))
     print(json.dumps(report["ratios"], indent=2))
     return report
 

@@ -17,7 +17,9 @@ through the OpenAI API of a three-process stack (bundled model, CPU), greedy.
    --speculative-max-batch sits below it).
 3. 32 concurrent requests with the default configuration (n-gram, adaptive, max batch):
    throughput vs none.
-Run it alone on the machine: a second busy process changes the figures.
+Run it alone on the machine: a second busy process changes the figures. The report is
+written after each of 1, 2 and 3: a run stopped or failing part way keeps those it
+measured (`unfinished`: those not measured; `failed`: the one that raised).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import grpc
 import httpx
 
 from benchmarks.online import launched
-from benchmarks.workload import machine, write_report
+from benchmarks.workload import ReportParts, machine
 from hetero_common.model_path import ModelNotFoundError, resolve_model_path
 from hetero_proto import control_pb2 as pb
 from hetero_proto import control_pb2_grpc as pb_grpc
@@ -358,35 +360,38 @@ def default_at(model: str, n: int, quick: bool) -> dict[str, Any]:
     return {"concurrent": n, "max_tokens": DEFAULT_AT_MAX_TOKENS, **rates, "ratio": ratio}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--model", default="default", help="a .gguf or a name ('default': the bundled GGUF)"
     )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/speculative.json"))
     ap.add_argument("--quick", action="store_true", help="fewer prompts and levels (a smoke run)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     try:  # (a name, as the planes take it: the draft is cut from the file)
         model = str(resolve_model_path(args.model))
     except ModelNotFoundError as e:
         ap.error(f"--model: {e}")
     if not model.endswith(".gguf"):
         ap.error(f"--model: the draft is cut from a GGUF file, and {model} is not one")
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "model": Path(model).name,
+        "k": K,
+        "max_tokens": MAX_TOKENS,
+    }
+    parts = ReportParts(args.out, report, ["batch_1", "concurrency", "default_at_32"])
     tmp = Path(tempfile.mkdtemp(prefix="hetero-draft-"))
     draft = make_layer_draft(Path(model), DRAFT_LAYERS, tmp / f"first-{DRAFT_LAYERS}-layers.gguf")
     try:
-        report: dict[str, Any] = {
-            "machine": machine(),
-            "model": Path(model).name,
-            "k": K,
-            "max_tokens": MAX_TOKENS,
-            "batch_1": batch_one(model, draft, args.quick),
-            "concurrency": concurrency(model, args.quick),
-        }
-        report["default_at_32"] = default_at(model, 8 if args.quick else 32, args.quick)
+        with parts.part("batch_1"):
+            report["batch_1"] = batch_one(model, draft, args.quick)
+        with parts.part("concurrency"):
+            report["concurrency"] = concurrency(model, args.quick)
+        with parts.part("default_at_32"):
+            report["default_at_32"] = default_at(model, 8 if args.quick else 32, args.quick)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    write_report(args.out, report)
     for r in report["batch_1"]:
         extra = f", acceptance length {r['mean_acceptance_length']}" if "verifications" in r else ""
         print(
@@ -396,6 +401,7 @@ def main() -> None:
     at = report["default_at_32"]
     print(f"{at['concurrent']} concurrent, default n-gram: {at['ratio']}x of none")
     print(f"report: {args.out}")
+    return report
 
 
 if __name__ == "__main__":

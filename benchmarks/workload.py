@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import random
 import subprocess
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -110,3 +112,44 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
         temp.replace(path)
     finally:
         temp.unlink(missing_ok=True)
+
+
+class ReportParts:
+    """A report of several parts (sweeps, servers, sections) written whole (`write_report`)
+    after each part measured, so that a run stopped or failing part way keeps what it
+    measured: the parts not measured yet are listed in its `unfinished`, and the one that
+    raised in `failed` (name: its exception), before the exception goes on."""
+
+    def __init__(self, path: Path, report: dict[str, Any], parts: Iterable[str]) -> None:
+        self.path, self.report = path, report
+        report["unfinished"] = list(parts)
+        self._recorded: BaseException | None = None  # (recorded once, by the innermost block)
+
+    def write(self) -> None:
+        write_report(self.path, self.report)
+
+    def done(self, part: str) -> None:
+        """`part`'s figures are in the report: it is written."""
+        self.report["unfinished"].remove(part)
+        self.write()
+
+    @contextlib.contextmanager
+    def failing(self, name: str) -> Iterator[None]:
+        """An exception out of the block (not an interrupt) is recorded as `name`'s in
+        `failed`, unless a block inside recorded it, and the report written."""
+        try:
+            yield
+        except Exception as e:
+            if e is not self._recorded:
+                self._recorded = e
+                self.report.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
+                self.write()
+            raise
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """The block measures `name` (and puts its figures in the report): done when it
+        ends, failed if it raises."""
+        with self.failing(name):
+            yield
+        self.done(name)

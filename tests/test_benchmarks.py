@@ -484,6 +484,128 @@ def test_peers_report_keeps_the_parts_measured(
     assert [p.name for p in tmp_path.iterdir()] == ["peers.json"]  # (no temporary file left)
 
 
+def _failing(after: int, error: BaseException, result: Any) -> Any:
+    """A fake measurement: `result` (called with the call's arguments, if callable) for
+    its first `after` calls, then `error` raised."""
+    calls = itertools.count()
+
+    def fake(*args: Any, **kwargs: Any) -> Any:
+        if next(calls) >= after:
+            raise error
+        return result(*args, **kwargs) if callable(result) else result
+
+    return fake
+
+
+def test_online_report_keeps_the_runs_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report is written after each run of a sweep, the runs not made listed, the one
+    that raised (or its stack's start) named: a run failing or interrupted part way lost
+    every run before (the report was written at the end only)."""
+    import contextlib
+
+    async def measured(url: str, work: list[Any], *_: Any) -> Any:
+        samples = [online.Sample(0.0, 0.1, 0.2, [0.1, 0.2], r.output_len) for r in work]
+        return samples, 1.0, online.KvSamples()
+
+    monkeypatch.setattr(online, "served_model", lambda url: "m")
+    monkeypatch.setattr(online, "machine", lambda: {"cpu": "test"})
+    # the warm-up and the first run, then the second raises
+    monkeypatch.setattr(online, "run", _failing(2, RuntimeError("the gateway went"), measured))
+    out = tmp_path / "online.json"
+    args = ["--preset", "tiny", "--out", str(out), "--no-progress"]
+    with pytest.raises(RuntimeError, match="the gateway went"):
+        online.main(["--url", "http://127.0.0.1:9", "--concurrencies", "1,2,4", *args])
+    report = json.loads(out.read_text())
+    assert [(r["sweep"], r["max_concurrency"], r["completed"]) for r in report["runs"]] == [
+        ("concurrency", 1, 4)
+    ]
+    assert report["unfinished"] == ["concurrency=2", "concurrency=4"]
+    assert report["failed"] == {"concurrency=2": "RuntimeError: the gateway went"}
+
+    @contextlib.contextmanager
+    def launched(model: str, control_args: tuple[str, ...] = ()) -> Iterator[tuple[str, None]]:
+        if "--no-enable-prefix-caching" in control_args:
+            raise RuntimeError("the second stack did not start")
+        yield "http://127.0.0.1:9", None
+
+    monkeypatch.setattr(online, "launched", launched)
+    monkeypatch.setattr(online, "run", measured)
+    with pytest.raises(RuntimeError, match="the second stack did not start"):
+        online.main(["--launch", "--compare-prefix-caching", *args])
+    report = json.loads(out.read_text())
+    assert [(r["sweep"], r["prefix_caching"]) for r in report["runs"]] == [("single", True)]
+    assert report["unfinished"] == ["prefix_caching=off/single"]
+    assert report["failed"] == {
+        "prefix_caching=off/launch": "RuntimeError: the second stack did not start"
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["online.json"]  # (no temporary file left)
+
+
+def test_offline_report_keeps_the_parts_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ours in-process measured, then HF failing: the report keeps ours (it was written
+    at the end only)."""
+    ours = {"system": "ours", "output_tokens_per_s": 10.0}
+    monkeypatch.setattr(offline, "machine", lambda: {"cpu": "test", "load_average": [0, 0, 0]})
+    monkeypatch.setattr(offline, "run_ours", lambda *_: ours)
+    monkeypatch.setattr(offline, "run_hf", _failing(0, RuntimeError("no transformers"), None))
+    out = tmp_path / "offline.json"
+    with pytest.raises(RuntimeError, match="no transformers"):
+        offline.main(["--preset", "tiny", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["runs"] == [ours]
+    assert report["unfinished"] == ["hf", "gateway"]
+    assert report["failed"] == {"hf": "RuntimeError: no transformers"}
+
+
+def test_overhead_report_keeps_the_counts_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted at the second count: the first is kept, the rest listed (nothing was
+    written)."""
+    monkeypatch.setattr(overhead, "machine", lambda: {"cpu": "test"})
+    measured = _failing(1, KeyboardInterrupt(), lambda n, *_: {"running_sequences": n})
+    monkeypatch.setattr(overhead, "measure", measured)
+    monkeypatch.setattr(overhead, "breakdown", lambda *_: {"total_ms": 1.0})
+    out = tmp_path / "overhead.json"
+    with pytest.raises(KeyboardInterrupt):
+        overhead.main(["--seqs", "1,2", "--stream-intervals", "1,4", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["results"] == [{"running_sequences": 1, "in_process": {"total_ms": 1.0}}]
+    assert (
+        report["unfinished"]
+        == [
+            f"{api}/stream_interval={i}/seqs={n}"
+            for api in ("generate_many", "generate")
+            for i in (1, 4)
+            for n in (1, 2)
+        ][1:]
+    )
+    assert "failed" not in report
+
+
+def test_speculative_report_keeps_the_parts_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch 1 measured, then the cross-over failing: batch 1 is kept (the report was
+    written at the end only)."""
+    from benchmarks import speculative
+
+    rows = [{"config": "off", "output_tok_s": 10.0}]
+    monkeypatch.setattr(speculative, "machine", lambda: {"cpu": "test"})
+    monkeypatch.setattr(speculative, "make_layer_draft", lambda src, n, out: out)
+    monkeypatch.setattr(speculative, "batch_one", lambda *_: rows)
+    monkeypatch.setattr(speculative, "concurrency", _failing(0, RuntimeError("no stack"), None))
+    out = tmp_path / "speculative.json"
+    with pytest.raises(RuntimeError, match="no stack"):
+        speculative.main(["--quick", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["batch_1"] == rows
+    assert report["unfinished"] == ["concurrency", "default_at_32"]
+    assert report["failed"] == {"concurrency": "RuntimeError: no stack"}
+
+
 def test_step_timeline_tiny(tmp_path: Path) -> None:
     """Over the real gRPC hop: the phases are measured and add up. The model by its name,
     as the planes take it (the engine here reads its tokenizer from the file it names)."""
