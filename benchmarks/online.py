@@ -470,7 +470,11 @@ class _Sessions:
         for on in (True, False):
             flag = "--enable-prefix-caching" if on else "--no-enable-prefix-caching"
             self.launched((flag,), {"prefix_caching": on}, _PREFIX_CACHING[on])
-        ttft = {r["prefix_caching"]: r["ttft_ms"]["p50"] for r in self.report["runs"]}
+        ttft = {r["prefix_caching"]: (r["ttft_ms"] or {}).get("p50") for r in self.report["runs"]}
+        if not (ttft.get(False) and ttft.get(True)):  # (a session with no request done)
+            self.report["ttft_p50_ratio_off_vs_on"] = None
+            print(f"TTFT p50: no ratio, a session finished no request: {ttft}")
+            return
         self.report["ttft_p50_ratio_off_vs_on"] = round(ttft[False] / ttft[True], 2)
         print(f"TTFT p50: caching off / on = {self.report['ttft_p50_ratio_off_vs_on']}x")
 
@@ -493,6 +497,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = ap.parse_args(argv)
     if not (args.url or args.launch):
         ap.error("give --url or --launch")
+    if args.launch and args.control:
+        ap.error("--control samples a stack given by --url; --launch samples its own")
     if args.compare_prefix_caching and not args.launch:
         ap.error("--compare-prefix-caching starts its own stacks: add --launch")
     try:

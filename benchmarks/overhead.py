@@ -268,7 +268,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         counts = [int(x) for x in args.seqs.split(",")]
     except ValueError as e:
         ap.error(f"--seqs / --stream-intervals: {e}")
-    plan = [(api, i, n) for api in args.apis.split(",") for i in intervals for n in counts]
+    apis = args.apis.split(",")
+    if bad := [a for a in apis if a not in _DRIVERS]:
+        ap.error(f"--apis: unknown {', '.join(bad)} (choose from {', '.join(_DRIVERS)})")
+    plan = [(api, i, n) for api in apis for i in intervals for n in counts]
     report: dict[str, Any] = {"benchmark": "control-plane overhead", "machine": machine()}
     report["results"] = []
     parts = ReportParts(args.out, report, [_part(*p) for p in plan])

@@ -164,6 +164,7 @@ def test_online_random_workload_of_more_requests_than_its_preset() -> None:
         (["--rates", "0.5,0"], "--rates must be positive numbers"),
         (["--concurrencies", "4,0"], "--concurrencies and --max-concurrency must be at least 1"),
         (["--num-requests", "-3"], "--num-requests must be at least 0"),
+        (["--launch", "--control", "127.0.0.1:9"], "--control samples a stack given by --url"),
     ],
 )
 def test_online_bad_flags_are_usage_errors(
@@ -583,6 +584,49 @@ def test_overhead_report_keeps_the_counts_measured(
         ][1:]
     )
     assert "failed" not in report
+
+
+def test_overhead_unknown_api_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before any control plane starts (it was a KeyError after the harness had started)."""
+    with pytest.raises(SystemExit) as stop:
+        overhead.main(["--apis", "generate,nosuch", "--out", "/nonexistent/o.json"])
+    assert stop.value.code == 2
+    assert "--apis: unknown nosuch (choose from generate_many, generate)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_online_prefix_caching_comparison_with_a_session_of_no_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request of the cached session failed: the ratio is null and the report is
+    written (it was a TypeError on None after both sessions had run)."""
+    import contextlib
+
+    async def measured(url: str, work: list[Any], *_: Any) -> Any:
+        cached = "on" in url
+        samples = [
+            online.Sample(0.0, error="refused") if cached else online.Sample(0.0, 0.1, 0.2)
+            for _ in work
+        ]
+        return samples, 1.0, online.KvSamples()
+
+    @contextlib.contextmanager
+    def launched(model: str, control_args: tuple[str, ...] = ()) -> Iterator[tuple[str, None]]:
+        on = "--enable-prefix-caching" in control_args
+        yield f"http://{'on' if on else 'off'}.invalid", None
+
+    monkeypatch.setattr(online, "served_model", lambda url: "m")
+    monkeypatch.setattr(online, "machine", lambda: {"cpu": "test"})
+    monkeypatch.setattr(online, "launched", launched)
+    monkeypatch.setattr(online, "run", measured)
+    out = tmp_path / "online.json"
+    argv = ["--launch", "--compare-prefix-caching", "--preset", "tiny", "--out", str(out)]
+    online.main([*argv, "--no-progress"])
+    report = json.loads(out.read_text())
+    assert report["ttft_p50_ratio_off_vs_on"] is None
+    assert [r["prefix_caching"] for r in report["runs"]] == [True, False]
+    assert report["runs"][0]["ttft_ms"] is None and report["runs"][1]["ttft_ms"] is not None
 
 
 def test_speculative_report_keeps_the_parts_measured(
