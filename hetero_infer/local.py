@@ -60,6 +60,10 @@ class PlaneExited(RuntimeError):
         super().__init__(f"the {name} {ended} {when}" + (f": {why}" if why else ""))
 
 
+class StartStopped(Exception):
+    """A stop signal came while the planes were starting (`stopping` turned true)."""
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -133,10 +137,11 @@ def wait_serving(
     timeout: float = START_TIMEOUT,
     credentials: grpc.ChannelCredentials | None = None,
     listening: bool = False,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> None:
     """Poll grpc.health.v1 until SERVING (with `listening`: until it answers at all, as a
     control plane does before a compute plane is attached); raise if the process dies
-    first."""
+    first, StartStopped once `stopping()` turns true."""
     deadline = time.monotonic() + timeout
     # A refused connection retried within 0.1 s: with gRPC's defaults (after 1 s, then
     # 1.6, 2.6, 4.1 s...) a control plane was seen serving 1.3-2 s after it was.
@@ -152,6 +157,8 @@ def wait_serving(
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
+            if stopping():
+                raise StartStopped
             if proc.poll() is not None:
                 raise PlaneExited(proc, "before serving")
             try:
@@ -212,11 +219,16 @@ def spawned(args: list[str], quiet: bool = False) -> Iterator[subprocess.Popen[b
     out = subprocess.DEVNULL if quiet else None
     with contextlib.ExitStack() as files:
         err = files.enter_context(tempfile.TemporaryFile()) if quiet else None
+        # A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group)
+        # reaches this process alone, which stops the child (SIGTERM, a drain); a child
+        # that had it too died of it while starting (a KeyboardInterrupt traceback from
+        # its imports, or exit 130 during its load) and serve reported it as a failure.
         proc = subprocess.Popen(
             [sys.executable, "-m", "hetero_infer.cli", *args],
             stdout=out,
             stderr=err,
             env={**os.environ, PARENT_ENV: str(os.getpid())},
+            process_group=0,
         )
         if err is not None:
             _stderr[proc] = err
@@ -241,6 +253,7 @@ def local_planes(
     start_timeout: float | None = None,
     front: Front | None = None,
     children: list[subprocess.Popen[bytes]] | None = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Iterator[str]:
     """Compute and control planes on free loopback ports (`start_planes`); yields the
     control plane address once it is serving.
@@ -251,6 +264,7 @@ def local_planes(
     gets an equal share of this process's CPUs unless extra_compute sets --num-threads.
     log_args: --log-level / --log-format flags for both. start_timeout: seconds for all of
     them to be serving (TimeoutError, each stopped); default: START_TIMEOUT for each.
+    stopping: StartStopped (each stopped) once it turns true while they start.
     """
     cpus = usable_cpus()
     if not 1 <= num_compute <= cpus:  # (10000 started 10000 processes, each loading the model)
@@ -278,7 +292,7 @@ def local_planes(
             ([*args, "--metrics-port", str(port), *threads, *extra_compute], compute)
         )
     with start_planes(
-        compute_planes, (control_args, control), quiet, start_timeout, front, children
+        compute_planes, (control_args, control), quiet, start_timeout, front, children, stopping
     ):
         yield control
 
@@ -291,6 +305,7 @@ def start_planes(
     start_timeout: float | None = None,
     front: Front | None = None,
     children: list[subprocess.Popen[bytes]] | None = None,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> Iterator[object]:
     """Compute planes and a control plane driving them (`hetero-infer ARGS` and the
     address each serves on); yields once the control plane is serving (a compute plane
@@ -303,7 +318,8 @@ def start_planes(
     `front`: a context entered with the control plane's address as soon as that listens
     (the gateway, which then starts while the compute plane loads).
     start_timeout: seconds for all of them to be serving (TimeoutError, each stopped);
-    default: START_TIMEOUT for each.
+    default: START_TIMEOUT for each. stopping: StartStopped (each stopped) once it turns
+    true while they start.
     """
     deadline = None if start_timeout is None else time.monotonic() + start_timeout
 
@@ -324,15 +340,15 @@ def start_planes(
         def control_up() -> subprocess.Popen[bytes]:
             proc = spawn(control_args)
             if front is not None:
-                wait_serving(address, proc, timeout=left(), listening=True)
+                wait_serving(address, proc, timeout=left(), listening=True, stopping=stopping)
                 out[0] = stack.enter_context(front(address))
             return proc
 
         proc = control_up() if len(computes) == 1 else None
         for kproc, (_, compute) in zip(procs, computes, strict=True):
-            wait_serving(compute, kproc, timeout=left())
+            wait_serving(compute, kproc, timeout=left(), stopping=stopping)
         proc = proc or control_up()
-        wait_serving(address, proc, timeout=left())
+        wait_serving(address, proc, timeout=left(), stopping=stopping)
         yield out[0]
 
 
@@ -375,14 +391,23 @@ def serve_stack(
     """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready.
     `num_compute`: compute planes behind the control plane (data parallel)."""
     stop = False
+    planes: list[subprocess.Popen[bytes]] = []
+    gateways: list[subprocess.Popen[bytes]] = []
 
     def on_signal(signum: int, frame: object) -> None:
+        # The planes, in process groups of their own (`spawned`), all drain at once, as
+        # when the terminal's Ctrl-C reached each: SIGTERM, of which one still starting
+        # dies quietly; a second Ctrl-C is passed on (the gateway then stops at once).
         nonlocal stop
+        again = signal.SIGINT if stop and signum == signal.SIGINT else None
+        if again or not stop:
+            for proc in (*planes, *gateways):
+                if proc.poll() is None:
+                    proc.send_signal(again or signal.SIGTERM)
         stop = True
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    gateways: list[subprocess.Popen[bytes]] = []
 
     @contextlib.contextmanager
     def gateway(control: str) -> Iterator[None]:
@@ -391,30 +416,32 @@ def serve_stack(
             gateways.append(gw)
             yield
 
-    planes: list[subprocess.Popen[bytes]] = []
-    with local_planes(
-        model,
-        quiet=False,
-        extra_compute=tuple(compute_args),
-        metrics_ports=metrics_ports,
-        log_args=log_args,
-        extra_control=control_args,
-        num_compute=num_compute,
-        front=gateway,
-        children=planes,
-    ):
-        gw = gateways[0]
-        # A SIGTERM while the gateway starts is a clean stop too (its process group may
-        # have had it as well, so the gateway may have exited 0 already).
-        if wait_http_ready(f"http://{host}:{port}/ready", gw, stopping=lambda: stop):
-            print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
-        # Nothing restarts a plane here: one that ends ends the stack (a dead compute
-        # plane left a gateway answering 503 for ever), with an error unless it drained.
-        while not stop:
-            ended = [p for p in (*planes, gw) if p.poll() is not None]
-            if failed := [p for p in ended if p.returncode != 0]:
-                raise PlaneExited(failed[0], "while serving; the others are stopped")
-            if ended:
-                break
-            time.sleep(0.2)
+    try:
+        with local_planes(
+            model,
+            quiet=False,
+            extra_compute=tuple(compute_args),
+            metrics_ports=metrics_ports,
+            log_args=log_args,
+            extra_control=control_args,
+            num_compute=num_compute,
+            front=gateway,
+            children=planes,
+            stopping=lambda: stop,
+        ):
+            gw = gateways[0]
+            # A stop signal while the gateway starts is a clean stop too.
+            if wait_http_ready(f"http://{host}:{port}/ready", gw, stopping=lambda: stop):
+                print(f"hetero-infer serving the OpenAI API at http://{host}:{port}/v1", flush=True)
+            # Nothing restarts a plane here: one that ends ends the stack (a dead compute
+            # plane left a gateway answering 503 for ever), with an error unless it drained.
+            while not stop:
+                ended = [p for p in (*planes, gw) if p.poll() is not None]
+                if failed := [p for p in ended if p.returncode != 0]:
+                    raise PlaneExited(failed[0], "while serving; the others are stopped")
+                if ended:
+                    break
+                time.sleep(0.2)
+    except StartStopped:  # Ctrl-C or SIGTERM while the planes start: a clean stop too
+        pass
     return 0

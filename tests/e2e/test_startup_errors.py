@@ -321,6 +321,34 @@ def test_a_killed_serve_takes_its_planes_with_it() -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_ctrl_c_while_serve_starts_stops_it_cleanly() -> None:
+    # The terminal's SIGINT went to the planes too: a plane still importing printed a
+    # KeyboardInterrupt traceback, one loading its model exited 130, and serve reported
+    # "error: the compute plane exited with status 130 before serving", exit 1. serve also
+    # waited for every plane to be serving before it looked at the signal.
+    port = free_port()
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--port", str(port)]
+    serve = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    children: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while not children and time.monotonic() < deadline:  # the compute plane, starting
+            children = _children(serve.pid)
+            time.sleep(0.01)
+        assert children
+        os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C
+        out, err = serve.communicate(timeout=60)
+    finally:
+        stop_process(serve)  # type: ignore[arg-type]
+    assert serve.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert "hetero-infer: error" not in err, err
+    assert "serving the OpenAI API" not in out
+    assert not _running(f"--port {port}")
+
+
 def test_serve_refuses_compute_planes_whose_kv_caches_together_pass_the_memory() -> None:
     # Each of two planes' caches fits alone (0.6 of MemAvailable): each plane's own check
     # passed, both served, and the OOM killer came once the caches filled.
