@@ -115,9 +115,9 @@ def _serve(args: argparse.Namespace) -> int:
             f"--num-speculative-tokens must be in 1..64, got {args.num_speculative_tokens}"
         )
     if method == "draft" and not args.draft_model:
-        raise SystemExit("hetero-infer serve: --speculative draft needs --draft-model PATH")
+        raise ValueError("--speculative draft needs --draft-model PATH")
     if method == "ngram" and args.draft_model:
-        raise SystemExit("hetero-infer serve: --draft-model is for --speculative draft")
+        raise ValueError("--draft-model is for --speculative draft")
     if method is not None:
         k = str(args.num_speculative_tokens)
         control_args += ["--speculative", method, "--num-speculative-tokens", k]

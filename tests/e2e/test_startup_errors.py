@@ -158,6 +158,9 @@ def test_serve_refuses_a_bad_port_before_starting_anything() -> None:
         (("--control-metrics-port", "-2"), "--control-metrics-port must be in -1..65535, got -2"),
         (("--speculative", "ngram", "--num-speculative-tokens", "0"), "--num-speculative-tok"),
         (("--draft-model", "d", "--num-speculative-tokens", "65"), "--num-speculative-tokens m"),
+        # SystemExit's message, exit status 1 (a usage error is 2)
+        (("--speculative", "draft"), "--speculative draft needs --draft-model PATH"),
+        (("--speculative", "ngram", "--draft-model", "d"), "--draft-model is for --speculative"),
     ],
 )
 def test_serve_refuses_bad_plane_flags_before_starting_anything(
