@@ -17,7 +17,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Histogram
 
 from control_plane import metrics
-from control_plane.outputs import Choice, GenerateStream
+from control_plane.outputs import Choice, GenerateStream, Outbox
 from control_plane.request import Status
 from hetero_proto import compute_pb2 as cpb
 from hetero_proto import control_pb2 as pb
@@ -115,10 +115,13 @@ class OutputProcessor:
             live = (status := req.status) is running or status is waiting
             if len(pending) < interval and live and choice.sent:
                 continue
-            if req.num_cached_tokens > 0 and choice.index == 0:
-                stream.num_cached_tokens = req.num_cached_tokens
             choice.sent = True
             box = stream.pack_into if live else None
+            if req.num_cached_tokens > 0 and choice.index == 0 and not stream.num_cached_tokens:
+                # The hit goes out from this delta on (in responses: a packed delta has
+                # no room for it), so streamed usage can count it before the last message.
+                stream.num_cached_tokens = req.num_cached_tokens
+                box = None
             # The common case, packed; inlined rather than through new_text (a call per
             # token adds up at hundreds of sequences: benchmarks.overhead shows it).
             if box is not None and not choice.stop.stop:
@@ -128,20 +131,26 @@ class OutputProcessor:
                 emitted += len(pending)
                 pending.clear()
                 continue
-            emitted += self._respond(stream, choice, live, touched)
+            emitted += self._respond(stream, choice, live, box, touched)
         m.generation_tokens.inc(emitted)
         for value, count in Counter(gaps).items():
             metrics.observe_many(m.itl, value, count)
         self._send(touched)
 
-    def _respond(self, stream: GenerateStream, choice: Choice, live: bool, touched: Touched) -> int:
-        """The slow path: stop strings, logprobs, finishing, or an unpacked client.
-        Returns how many tokens it sent."""
+    def _respond(
+        self,
+        stream: GenerateStream,
+        choice: Choice,
+        live: bool,
+        box: Outbox | None,
+        touched: Touched,
+    ) -> int:
+        """The slow path: stop strings, logprobs, finishing, or an unpacked client (`box`:
+        where a plain delta may go packed, else None). Returns how many tokens it sent."""
         pending, req = choice.pending, choice.request
         if req.prompt_only:  # its one sample ended it and is no output (Request.prompt_only)
             pending.clear()
             choice.pending_logprobs.clear()
-        box = stream.pack_into if live else None
         text, num_sent, matched = stream.new_text(choice, pending)
         if matched is None and box is not None:
             box.delta(stream.client_id, pending, text)
@@ -165,6 +174,8 @@ class OutputProcessor:
 
     def _send(self, touched: Touched) -> None:
         for stream, resp in touched.values():
+            if stream.num_cached_tokens:
+                resp.cached_prompt_tokens = stream.cached_prompt_tokens
             if ended := stream.done:
                 self._on_finished(stream)
                 resp.usage.CopyFrom(stream.usage())

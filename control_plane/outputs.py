@@ -187,12 +187,16 @@ class GenerateStream:
         elif isinstance(reason, int):
             delta.stop_token_id = reason
 
+    @property
+    def cached_prompt_tokens(self) -> int:
+        # A resumed request's hit may reach into its resumed output: not prompt.
+        return min(self.num_cached_tokens, len(self.prompt_token_ids))
+
     def usage(self) -> pb.Usage:
         return pb.Usage(
             prompt_tokens=len(self.prompt_token_ids),
             completion_tokens=sum(c.request.num_output_tokens for c in self.choices),
-            # A resumed request's hit may reach into its resumed output: not prompt.
-            cached_prompt_tokens=min(self.num_cached_tokens, len(self.prompt_token_ids)),
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )
 
     def _logprob(self, r: cpb.TokenResult) -> pb.TokenLogprob:

@@ -268,13 +268,15 @@ class Delta:
     choice: pb.ChoiceDelta
 
 
-StreamItem = tuple[list[Delta], pb.Usage | None, list[list[int]] | None]
+# (deltas, usage when all calls are done, prompt ids when known, prompt tokens served
+# from the prefix cache so far: each call's from its choice 0's first delta on)
+StreamItem = tuple[list[Delta], pb.Usage | None, list[list[int]] | None, int]
 
 
 async def stream_calls(
     mux: Calls, calls: list[pb.GenerateRequest], timeout: float
 ) -> AsyncGenerator[StreamItem, None]:
-    """Run the calls concurrently; yield (deltas, usage when all are done, prompt ids when known).
+    """Run the calls concurrently; yield `StreamItem`s.
 
     Past `timeout` seconds the calls end with a 504. Closing or cancelling the consumer
     cancels every call that has not ended (the control plane then frees its blocks).
@@ -284,6 +286,7 @@ async def stream_calls(
     ids = mux.start(calls, queue, timeout)  # past the timeout the queue gets a 504
     prompt_ids: list[list[int]] = [[] for _ in calls]
     usage = pb.Usage()
+    cached = [0] * len(calls)
     done = 0
     try:
         while done < len(calls):
@@ -304,10 +307,14 @@ async def stream_calls(
                 usage.prompt_tokens += resp.usage.prompt_tokens
                 usage.completion_tokens += resp.usage.completion_tokens
                 usage.cached_prompt_tokens += resp.usage.cached_prompt_tokens
+                cached[i] = resp.usage.cached_prompt_tokens
+            elif resp.cached_prompt_tokens:
+                cached[i] = resp.cached_prompt_tokens
             deltas = [Delta(i * n + c.index, c) for c in resp.choices]
             first = bool(resp.prompt_token_ids)
-            yield deltas, None, (prompt_ids if first and all(prompt_ids) else None)
-        yield [], usage, None
+            known = prompt_ids if first and all(prompt_ids) else None
+            yield deltas, None, known, sum(cached)
+        yield [], usage, None, usage.cached_prompt_tokens
     finally:
         mux.cancel(ids)
 
@@ -370,7 +377,7 @@ async def collect_calls(
     states: dict[int, ChoiceResult] = {}
     usage = pb.Usage()
     prompts: list[list[int]] = [[] for _ in calls]
-    async for deltas, u, prompt_ids in stream_calls(mux, calls, timeout):
+    async for deltas, u, prompt_ids, _ in stream_calls(mux, calls, timeout):
         if prompt_ids is not None:
             prompts = prompt_ids
         for d in deltas:

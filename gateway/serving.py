@@ -52,13 +52,15 @@ def sse(obj: dict[str, Any] | str) -> bytes:
     )
 
 
-def usage_json(u: pb.Usage) -> dict[str, Any]:
+def usage_json(u: pb.Usage, details: bool = False) -> dict[str, Any]:
+    """OpenAI's usage object; prompt_tokens_details when the prefix cache hit, or always
+    with `details` (a stream's usage objects all carry the same fields)."""
     out: dict[str, Any] = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
-    if u.cached_prompt_tokens:
+    if u.cached_prompt_tokens or details:
         out["prompt_tokens_details"] = {"cached_tokens": u.cached_prompt_tokens}
     return out
 
@@ -387,11 +389,11 @@ class Serving(Generic[Body]):
         # vLLM: usage on every chunk only when the final usage is asked for too.
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
         try:
-            async for deltas, usage, prompt_ids in stream:
+            async for deltas, usage, prompt_ids, cached in stream:
                 if prompt_ids is not None:
                     call.prompt_ids = prompt_ids
                     for k, choice in enumerate(await self.head(call, prompt_ids)):
-                        live = self.live_usage(call) if continuous else None
+                        live = self.live_usage(call, cached) if continuous else None
                         yield sse(self.chunk(call, [choice], live, first=k == 0))
                 for d in deltas:
                     call.num_generated += len(d.choice.token_ids)
@@ -405,10 +407,10 @@ class Serving(Generic[Body]):
                         call.unsent_ids.setdefault(d.index, []).extend(d.choice.token_ids)
                     for k, choice in enumerate(choices):
                         self.add_token_ids(call, d, choice, first=k == 0)
-                        live = self.live_usage(call) if continuous else None
+                        live = self.live_usage(call, cached) if continuous else None
                         yield sse(self.chunk(call, [choice], live))
                 if usage is not None and include_usage:
-                    yield sse(self.chunk(call, [], usage_json(usage)))
+                    yield sse(self.chunk(call, [], usage_json(usage, details=continuous)))
         except APIError as e:
             yield sse(e.body())
         finally:  # closed early (the client left): the calls are cancelled now
@@ -436,14 +438,14 @@ class Serving(Generic[Body]):
             call.shown_prompt.add(d.index)
             choice["prompt_token_ids"] = call.prompt_ids[d.index // call.body.n]
 
-    def live_usage(self, call: Call[Body]) -> dict[str, Any]:
-        """Usage so far (stream_options.continuous_usage_stats)."""
+    def live_usage(self, call: Call[Body], cached: int) -> dict[str, Any]:
+        """Usage so far (stream_options.continuous_usage_stats), with the prompt tokens
+        served from the prefix cache so far (known from a prompt's first token on)."""
         prompt = sum(len(p) for p in call.prompt_ids)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": call.num_generated,
-            "total_tokens": prompt + call.num_generated,
-        }
+        usage = pb.Usage(
+            prompt_tokens=prompt, completion_tokens=call.num_generated, cached_prompt_tokens=cached
+        )
+        return usage_json(usage, details=True)
 
     async def collect(self, call: Call[Body]) -> dict[str, Any]:
         states, usage, prompts = await collect_calls(self.mux, call.calls, self.timeout)

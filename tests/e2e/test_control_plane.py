@@ -270,6 +270,7 @@ def test_generate_many_interleaves_requests_on_one_call(stub, alone) -> None:  #
     admitted: set[str] = set()
     ended: set[str] = set()
     messages = responses = packed = 0
+    cached: dict[str, int] = {}  # the prefix-cache hit each request's deltas announced
     while len(ended) < len(prompts):
         msg = many.read()
         assert not msg.errors, msg.errors
@@ -288,16 +289,23 @@ def test_generate_many_interleaves_requests_on_one_call(stub, alone) -> None:  #
             for c in resp.choices:
                 tokens[rid].extend(c.token_ids)
                 assert bool(c.finish_reason) == (len(tokens[rid]) == MAX_TOKENS)
+            if resp.cached_prompt_tokens:
+                assert (
+                    cached.setdefault(rid, resp.cached_prompt_tokens) == resp.cached_prompt_tokens
+                )
             if resp.HasField("usage"):
                 assert resp.usage.completion_tokens == MAX_TOKENS
+                assert resp.usage.cached_prompt_tokens == cached.get(rid, 0)
                 ended.add(rid)
     many.close()
     assert [tokens[f"r{i}"] for i in range(len(prompts))] == alone
     # 16 admissions + 16 x 20 tokens; sent a message per response, this would be 336.
     assert responses == len(prompts) * (MAX_TOKENS + 1)
     assert messages < responses // 2, (messages, responses)
-    # Every delta but the last (finish_reason, usage) is plain text and tokens: packed.
-    assert packed == len(prompts) * (MAX_TOKENS - 1), packed
+    # Every delta but the last (finish_reason, usage) is plain text and tokens: packed;
+    # but the first after a prefix-cache hit, which carries cached_prompt_tokens.
+    assert cached  # (the prompts ran alone before: their blocks are cached)
+    assert packed == len(prompts) * (MAX_TOKENS - 1) - len(cached), packed
     st = _wait_pool_full(stub, 2.0)
     assert st.integrity_ok, st.integrity_error
     assert st.num_free_kv_blocks == st.num_usable_kv_blocks

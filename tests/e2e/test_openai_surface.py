@@ -5,6 +5,7 @@ skip_special_tokens, --chat-template, /tokenize, /detokenize, /version, unknown 
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -183,6 +184,38 @@ def test_stream_options(client: openai.OpenAI, model: str) -> None:
     done = [u.completion_tokens for u in usages if u is not None]
     assert done == sorted(done) and done[-1] == 5
     assert all(u.prompt_tokens == usages[-1].prompt_tokens for u in usages if u is not None)  # type: ignore[union-attr]
+
+
+def _stream_usages(http: httpx.Client, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each chunk's usage of a streamed request, in order."""
+    with http.stream("POST", path, json=body | {"stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: {")]
+    return [json.loads(ln.removeprefix("data: "))["usage"] for ln in lines]
+
+
+def test_continuous_usage_counts_cached_tokens(model: str, http: httpx.Client) -> None:
+    """Every usage object of a stream carries prompt_tokens_details, its cached_tokens the
+    prefix cache's hit from a prompt's first token on (the final usage's): it came on the
+    final one only. Chat and completions, n 1 (packed deltas) and 2."""
+    text = "A prompt of a few blocks, streamed twice with usage on every chunk: " * 3
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    common = {"model": model, "max_tokens": 4, "stream_options": opts, "ignore_eos": True}
+    requests = [
+        ("/v1/completions", {"prompt": text}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}),
+    ]
+    for path, body in requests:
+        for n in (1, 2):
+            for _ in range(2):  # the second hits the prefix cache
+                usages = _stream_usages(http, path, common | body | {"n": n})
+            final = usages[-1]
+            assert final["prompt_tokens_details"]["cached_tokens"] >= 16, (path, n, final)
+            assert all(u.keys() == final.keys() for u in usages), (path, n, usages)
+            counted = [u for u in usages if u["completion_tokens"]]
+            assert counted[-1]["completion_tokens"] == 4 * n
+            details = final["prompt_tokens_details"]
+            assert all(u["prompt_tokens_details"] == details for u in counted)
 
 
 def test_chat_echo_continue_and_template_kwargs(
