@@ -62,6 +62,19 @@ class OutputProcessor:
             self.choices.pop(c.request.request_id, None)
         return True
 
+    @staticmethod
+    def drop_held_back(stream: GenerateStream) -> int:
+        """Drop the tokens a removed stream's unfinished choices hold back (--stream-interval)
+        and return how many of them count as generated: those up to a stop string, which
+        interval 1 would have sent (and counted) as they were sampled."""
+        count = 0
+        for c in stream.choices:
+            if c.pending and not c.finished:
+                count += stream.new_text(c, c.pending)[1]
+                c.pending.clear()
+                c.pending_logprobs.clear()
+        return count
+
     def process(
         self,
         result: cpb.StepResult,

@@ -225,3 +225,38 @@ def test_accepted_tokens_per_position_read_zero_before_the_first_acceptance(
             await control.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_an_aborted_requests_held_back_tokens_count_as_generated(smollm2_path: Path) -> None:
+    """hetero_generation_tokens_total counts every token an aborted request generated, as
+    with --stream-interval 1: those the interval still held back were not counted."""
+
+    async def main() -> None:
+        control, _ = _on_the_bundled_model(smollm2_path, "held-back", stream_interval=8)
+        await control.start()
+        labels = {"model_name": "held-back"}
+
+        def generated() -> float:
+            return REGISTRY.get_sample_value("hetero_generation_tokens_total", labels) or 0
+
+        try:
+            await control.attached.wait()
+            long = pb.GenerationParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = control.submit([504, 3458, 281], long)
+            choice = stream.choices[0]
+            while len(choice.pending) < 3:  # the first token sent, the next ones held
+                await asyncio.sleep(0.005)
+            sent = 0
+            while not stream.queue.empty():
+                item = stream.queue.get_nowait()
+                assert isinstance(item, pb.GenerateResponse)
+                sent += sum(len(c.token_ids) for c in item.choices)
+            held = len(choice.pending)
+            control.abort(stream)
+            await asyncio.sleep(0.5)  # the steps in flight end
+            assert generated() == sent + held
+        finally:
+            await control.stop()
+
+    asyncio.run(main())

@@ -184,3 +184,20 @@ def test_a_prompt_only_choice_ends_with_no_token_and_its_prompt_logprobs(
     assert {d.finish_reason for d in resp.choices} == {pb.FINISH_REASON_LENGTH}
     assert [lp.token_id for lp in resp.choices[0].prompt_logprobs] == prompt[1:]
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (len(prompt), 0)
+
+
+def test_held_back_tokens_of_a_removed_stream_count_up_to_a_stop_string(
+    tok: TokenizerWrapper,
+) -> None:
+    """An aborted stream's tokens held back by the interval count as generated, but not
+    those after a stop string, which interval 1 would not have sent."""
+    tokens = tok.encode(" the cat sat on the mat and slept", add_special_tokens=False)
+    h = Harness(tok, pb.GenerationParams(max_tokens=50, stop=[" mat"]), interval=len(tokens))
+    for t in tokens:
+        h.step([t])
+    (first,) = h.responses()  # the first token; the rest held back
+    assert len(first.choices[0].token_ids) == 1
+    assert h.proc.remove(h.stream)
+    upto_stop = tokens.index(tok.encode(" mat")[0]) + 1
+    assert OutputProcessor.drop_held_back(h.stream) == upto_stop - 1
+    assert OutputProcessor.drop_held_back(h.stream) == 0  # dropped
