@@ -41,7 +41,7 @@ from compute_plane.config import ComputeConfig
 from compute_plane.device import use_device
 from compute_plane.engine import Engine, Launched
 from compute_plane.requests import StepRejected
-from hetero_common.grpc_server import GrpcPlane
+from hetero_common.grpc_server import COMPUTE_STOPPED, GrpcPlane
 from hetero_common.limits import LINK_MAX_MESSAGE_BYTES
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
@@ -135,7 +135,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
             if not self.closing:  # (the peer went: grpc cancels the handler)
                 raise
             # end_runs: a status now, not a call left open for the stop's grace
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the compute plane stopped")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, COMPUTE_STOPPED)
         finally:
             self._runs.discard(task)
             if self._driver_stream is stream:

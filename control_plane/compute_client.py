@@ -15,6 +15,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hetero_common.grpc_server import COMPUTE_STOPPED
 from hetero_common.limits import LINK_MAX_MESSAGE_BYTES
 from hetero_common.tls import ClientTLS
 from hetero_proto import compute_pb2 as pb
@@ -23,11 +24,18 @@ from hetero_proto import compute_pb2_grpc as pb_grpc
 
 class ComputeLinkError(ConnectionError):
     """The compute plane is unreachable or its stream broke (`code`: the gRPC status
-    name when an RPC failed, e.g. FAILED_PRECONDITION: another control plane drives it)."""
+    name when an RPC failed, e.g. FAILED_PRECONDITION: another control plane drives it;
+    `stopped`: the compute plane ended the stream itself as it stopped, drained)."""
 
-    def __init__(self, message: str, code: str = "") -> None:
+    def __init__(self, message: str, code: str = "", stopped: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.stopped = stopped
+
+
+def _rpc_error(address: str, code: grpc.StatusCode, details: str | None) -> ComputeLinkError:
+    stopped = code == grpc.StatusCode.UNAVAILABLE and details == COMPUTE_STOPPED
+    return ComputeLinkError(f"compute plane {address}: {code.name}: {details}", code.name, stopped)
 
 
 class StepFailed(RuntimeError):
@@ -176,9 +184,7 @@ class ComputeClient:
 
     async def _status(self, run: grpc.aio.StreamStreamCall) -> ComputeLinkError:
         """The error of an ended step stream, naming the compute plane."""
-        code = await run.code()
-        details = await run.details()
-        return ComputeLinkError(f"compute plane {self.address}: {code.name}: {details}", code.name)
+        return _rpc_error(self.address, await run.code(), await run.details())
 
     @contextlib.contextmanager
     def _link_errors(self) -> Iterator[None]:
@@ -186,9 +192,7 @@ class ComputeClient:
         try:
             yield
         except grpc.aio.AioRpcError as e:
-            raise ComputeLinkError(
-                f"compute plane {self.address}: {e.code().name}: {e.details()}", e.code().name
-            ) from e
+            raise _rpc_error(self.address, e.code(), e.details()) from e
 
     async def detach(self) -> None:
         if self._run is not None:

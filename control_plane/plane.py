@@ -376,9 +376,20 @@ class ComputePlane:
                     self.refused = True  # another control plane drives it
                 self._quarantine()
                 if self.attached.is_set():
-                    log.error("compute plane %s lost: %s", self.address, e)
                     self._detach()
                     self._lost_since = now
+                    left = len(self._parked)
+                    if getattr(e, "stopped", False) and not left:  # SIGTERM: a planned stop
+                        log.info("compute plane %s drained and stopped", self.address)
+                    elif getattr(e, "stopped", False):
+                        log.warning(
+                            "compute plane %s stopped with %d requests unfinished (its drain"
+                            " timed out)",
+                            self.address,
+                            left,
+                        )
+                    else:
+                        log.error("compute plane %s lost: %s", self.address, e)
                 if self._parked and self.engine.rehome(self):
                     pass  # moved to the other compute planes
                 elif self._parked and now - self._lost_since > self.engine.config.compute_timeout:

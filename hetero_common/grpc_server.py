@@ -26,6 +26,11 @@ from hetero_common.server_config import GrpcServerConfig
 
 log = logging.getLogger(__name__)
 
+# The status details a compute plane's open Run streams end with when it stops (SIGTERM,
+# its drain over): its control plane tells this planned stop from a loss (a crash, a kill,
+# the network), which ends the stream otherwise.
+COMPUTE_STOPPED = "the compute plane stopped"
+
 
 class GrpcPlane:
     def __init__(
