@@ -471,11 +471,12 @@ class _Sessions:
             flag = "--enable-prefix-caching" if on else "--no-enable-prefix-caching"
             self.launched((flag,), {"prefix_caching": on}, _PREFIX_CACHING[on])
         ttft = {r["prefix_caching"]: (r["ttft_ms"] or {}).get("p50") for r in self.report["runs"]}
-        if not (ttft.get(False) and ttft.get(True)):  # (a session with no request done)
+        off, on_ = ttft.get(False), ttft.get(True)
+        if not (off and on_):  # (a session with no request done)
             self.report["ttft_p50_ratio_off_vs_on"] = None
             print(f"TTFT p50: no ratio, a session finished no request: {ttft}")
             return
-        self.report["ttft_p50_ratio_off_vs_on"] = round(ttft[False] / ttft[True], 2)
+        self.report["ttft_p50_ratio_off_vs_on"] = round(off / on_, 2)
         print(f"TTFT p50: caching off / on = {self.report['ttft_p50_ratio_off_vs_on']}x")
 
 
