@@ -411,6 +411,12 @@ class Engine:
             self.block_size,
         )
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        if self.device.type == "cuda" and self.model.attention.name == "triton":
+            from compute_plane.kernels import cache_ops
+
+            # its CuPy kernels compiled and run once now, not in a step (or a graph's
+            # capture); where they fail, a WARNING and torch's path from now on
+            cache_ops.cupy_works(self.device)
         self._choose_fused_rows()
         hidden = self.model.forward(zero, zero, meta, self.kv_cache.layers)
         self.model.logits(hidden)

@@ -36,6 +36,12 @@
 #   mixed   not in `all`: python -m benchmarks.gpu --parts mixed, the piecewise CUDA graphs
 #           (steps with prefill chunks, each way; the workload in process with and
 #           without them) into $OUT/gpu_mixed.json (capped: $MIXED_TIMEOUT, 240)
+#   cupy    not in `all`: the KV-cache kernels' CuPy (compute_plane/kernels/cache_ops.py):
+#           where CuPy found NVRTC and the warm-up's check of the kernels
+#           (benchmarks/device/cupy_check.py: every variant compiled, each run once against
+#           torch's indexing), then their tests on the GPU, the fallback's too (a kernel
+#           NVRTC refuses: one WARNING at warm-up, torch's path, the engine's tokens
+#           unchanged) (capped: $CUPY_TIMEOUT, 180)
 #   steps   not in `all`: the engine's start-up choice of the small-step linears
 #           (fused_rows, fused_linear_timings) and the decode steps at batch 1/64/256
 #           each way (benchmarks/device/steps.py), into $OUT/steps_head.json; with
@@ -136,6 +142,14 @@ write_random_model(Path(\"/tmp/qwen3-0.6b-random\"))" || exit 1  # (written once
           --label "$label" --out "$OUT/steps_${label#.}.json" 2>&1 | tee -a "$OUT/check.log"
         rc=$((rc | PIPESTATUS[0]))
       done
+      ;;
+    cupy)
+      { timeout -s INT -k 30 60 python3 benchmarks/device/cupy_check.py \
+        && timeout -s INT -k 30 "${CUPY_TIMEOUT:-180}" python3 -m pytest -v -p no:cacheprovider \
+          tests/kernels/test_cache_ops.py \
+          tests/kernels/test_engine_triton.py::test_warm_up_checks_the_cupy_kernels_and_a_failure_only_warns
+      } 2>&1 | tee -a "$OUT/check.log"
+      rc=$((rc | PIPESTATUS[0]))
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

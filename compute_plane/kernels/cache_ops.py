@@ -2,7 +2,11 @@
 
 On a CUDA device with CuPy these are CuPy RawKernels launched on torch's current
 stream (so they order with the model's kernels and are captured by CUDA graphs);
-anywhere else, or without CuPy, the same operations run as torch indexing.
+anywhere else, or without CuPy, the same operations run as torch indexing. CuPy
+compiles the kernels with NVRTC: `cupy_works` compiles every variant and runs each
+kernel once, at the engine's warm-up (or the first use), and where that fails (no
+NVRTC found, a GPU newer than the NVRTC, a driver too old) the torch path is used on
+that device for the rest of the process, with one WARNING naming the cause.
 The kernels move raw words, never interpret the values: one kernel serves every
 dtype, with the word as wide as every offset's alignment allows (up to 16 bytes).
 
@@ -78,7 +82,59 @@ def _cupy() -> ModuleType | None:
 
 def uses_cupy(t: torch.Tensor) -> bool:
     """Whether cache ops on `t` run as CuPy kernels."""
-    return t.is_cuda and _cupy() is not None
+    return t.is_cuda and cupy_works(t.device)
+
+
+def cupy_works(device: torch.device) -> bool:
+    """Whether the CuPy kernels run on CUDA `device`: CuPy sees a GPU, NVRTC compiles
+    every variant and each kernel, launched once on tiny tensors, gives torch's result.
+    Checked once per device and process (the engine's warm-up asks first, before any
+    step or graph capture); where not, one WARNING names the cause and the cache ops on
+    `device` use torch from then on."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cupy_works(index)
+
+
+@functools.cache
+def _cupy_works(index: int) -> bool:
+    if _cupy() is None:
+        return False
+    try:
+        _check(torch.device("cuda", index))
+    except Exception as e:
+        cause = (str(e).strip().splitlines() or [""])[0]
+        log.warning(
+            "CuPy's KV-cache kernels do not work on cuda:%d (%s: %s); KV-cache writes and "
+            "block copies there use torch for the rest of this process. CuPy needs NVRTC "
+            "(libnvrtc.so.12 from the nvidia-cuda-nvrtc-cu12 package, or a CUDA toolkit's) "
+            "that supports this GPU: see docs/deployment.md",
+            index, type(e).__name__, cause,
+        )  # fmt: skip
+        return False
+    return True
+
+
+def _check(device: torch.device) -> None:
+    """Raise unless every kernel variant compiles and loads on `device`, and write_kv and
+    copy_blocks, launched once, agree with torch's indexing."""
+    cupy = _cupy()
+    assert cupy is not None
+    with cupy.cuda.Device(device.index):
+        for name in ("write_kv", "copy_blocks"):
+            for word in _WORDS:
+                _kernel(name, word).compile()  # NVRTC, then the module loaded on the GPU
+    k = torch.arange(1, 17, dtype=torch.float32, device=device).view(2, 2, 4)  # [T, KVH, D]
+    v = -k
+    kc, vc = torch.zeros(3, 2, 2, 4, device=device), torch.zeros(3, 2, 2, 4, device=device)
+    slots = torch.tensor([3, 0], device=device)  # block 1's second slot, block 0's first
+    _write_kv_cupy(k, v, kc, vc, slots)
+    _copy_blocks_cupy([(kc, vc)], [1], [2])
+    for cache, new in ((kc, k), (vc, v)):
+        want = torch.zeros_like(cache)
+        want.view(-1, 2, 4).index_copy_(0, slots, new)
+        want[2] = want[1]
+        if not torch.equal(cache, want):
+            raise RuntimeError("the kernels' results differ from torch's indexing")
 
 
 @functools.cache
@@ -146,6 +202,14 @@ def write_kv(
         k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
         return
+    _write_kv_cupy(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _write_kv_cupy(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:  # fmt: skip
+    t, kvh, d = k.shape
     es = k.element_size()
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     word = _word_bytes(
@@ -181,6 +245,13 @@ def copy_blocks(
             k.index_copy_(0, d, k.index_select(0, s))
             v.index_copy_(0, d, v.index_select(0, s))
         return
+    _copy_blocks_cupy(caches, src, dst)
+
+
+def _copy_blocks_cupy(
+    caches: list[tuple[torch.Tensor, torch.Tensor]], src: list[int], dst: list[int]
+) -> None:
+    first = caches[0][0]
     flat = [c for kv in caches for c in kv]
     assert all(c.is_contiguous() and c.shape == first.shape for c in flat)
     block_bytes = first[0].numel() * first.element_size()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -74,3 +78,95 @@ def test_cupy_stream_uses_the_stream_protocol_where_cupy_has_it() -> None:
 
     old = SimpleNamespace(cuda=SimpleNamespace(Stream=object, ExternalStream=external))
     assert cache_ops.cupy_stream(old, 0xABC, 1) == (0xABC, 1)
+
+
+@pytest.fixture
+def fresh_probe() -> Iterator[None]:
+    """cache_ops' per-process answers (CuPy, its kernels, whether they work) forgotten
+    before and after: a test that makes them fail leaves nothing behind."""
+
+    def forget() -> None:
+        for f in (cache_ops._cupy, cache_ops._kernel, cache_ops._cupy_works):
+            f.cache_clear()
+
+    forget()
+    yield
+    forget()
+
+
+def test_kernels_that_fail_to_compile_leave_the_torch_path_and_one_warning(
+    fresh_probe: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The CUDA image's CuPy without NVRTC (or an NVRTC older than the GPU): the check the
+    engine's warm-up runs fails, so one WARNING names the cause and the cache ops on that
+    device take torch's path for the rest of the process, never failing a step. (A
+    stand-in for CuPy whose kernels cannot compile: no GPU is needed.)"""
+    from types import SimpleNamespace
+
+    compiles: list[str] = []
+
+    class RawKernel:
+        def __init__(self, src: str, name: str) -> None:
+            self.name = name
+
+        def compile(self) -> None:
+            compiles.append(self.name)
+            raise RuntimeError(
+                "CuPy failed to load libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open "
+                "shared object file: No such file or directory\n(more lines)"
+            )
+
+    class Device:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    fake = SimpleNamespace(RawKernel=RawKernel, cuda=SimpleNamespace(Device=Device))
+    monkeypatch.setattr(cache_ops, "_cupy", functools.cache(lambda: fake))
+    caplog.set_level(logging.WARNING, logger=cache_ops.__name__)
+    on_gpu = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+
+    assert not cache_ops.cupy_works(torch.device("cuda", 0))
+    assert not cache_ops.uses_cupy(on_gpu)  # type: ignore[arg-type]
+    assert not cache_ops.cupy_works(torch.device("cuda", 0))
+    assert compiles == ["write_kv"]  # checked once: the first compile failed
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(
+        "CuPy's KV-cache kernels do not work on cuda:0 (RuntimeError: CuPy failed to load "
+        "libnvrtc.so.12: OSError: libnvrtc.so.12: cannot open shared object file: No such "
+        "file or directory); KV-cache writes and block copies there use torch"
+    )
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=ON_GPU, id="cuda")])
+def test_a_kernel_that_does_not_compile_on_the_gpu_leaves_the_torch_path(
+    _: None, fresh_probe: None, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The same through the real CuPy and NVRTC: a kernel source NVRTC refuses gives the
+    warning, and write_kv and copy_blocks still write the right values (torch's path)."""
+    pytest.importorskip("cupy")
+    monkeypatch.setattr(cache_ops, "_COPY_BLOCKS", cache_ops._COPY_BLOCKS + "\nnot C++")
+    caplog.set_level(logging.WARNING, logger=cache_ops.__name__)
+    assert not cache_ops.uses_cupy(torch.empty(1, device="cuda"))
+    assert "CompileException" in caplog.text
+    test_write_kv_from_strided_views(torch.bfloat16)
+    test_copy_blocks_every_layer(torch.bfloat16)
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=ON_GPU, id="cuda")])
+def test_the_cupy_check_passes_on_the_gpu(
+    _: None, fresh_probe: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every variant compiles with the NVRTC CuPy finds here, loads on this GPU and agrees
+    with torch: no warning."""
+    pytest.importorskip("cupy")
+    caplog.set_level(logging.WARNING, logger=cache_ops.__name__)
+    assert cache_ops.cupy_works(torch.device("cuda", torch.cuda.current_device()))
+    assert not caplog.records

@@ -7,6 +7,7 @@ CI. The reference is the same engine with the torch backend, and transformers.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -253,3 +254,29 @@ def test_dependent_launches_need_a_hopper_gpu(tiny) -> None:  # type: ignore[no-
         _engine(path, "triton", pdl="on")
     with pytest.raises(ValueError, match="pdl must be auto, on or off"):
         ComputeConfig(model=str(path), pdl="maybe")
+
+
+@pytest.mark.parametrize("_", [pytest.param(None, marks=ON_GPU, id="cuda")])
+def test_warm_up_checks_the_cupy_kernels_and_a_failure_only_warns(
+    tiny, _: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA the warm-up compiles and runs the KV-cache kernels (cache_ops) before any
+    step; one that NVRTC refuses (as one the image's CuPy could not compile) gives one
+    WARNING at warm-up and the engine steps as before, on torch's path."""
+    pytest.importorskip("cupy")
+    from compute_plane.kernels import cache_ops
+
+    path = tiny[0]
+    for f in (cache_ops._kernel, cache_ops._cupy_works):
+        f.cache_clear()
+    monkeypatch.setattr(cache_ops, "_COPY_BLOCKS", cache_ops._COPY_BLOCKS + "\nnot C++")
+    caplog.set_level(logging.WARNING, logger=cache_ops.__name__)
+    try:
+        engine = _engine(path, "triton")
+        (warning,) = [r for r in caplog.records if r.name == cache_ops.__name__]
+        assert warning.levelno == logging.WARNING and "CompileException" in warning.getMessage()
+        assert not cache_ops.uses_cupy(engine.kv_cache.layers[0][0])
+        assert _drive(engine) == _drive(_engine(path, "torch"))
+    finally:
+        for f in (cache_ops._kernel, cache_ops._cupy_works):
+            f.cache_clear()
