@@ -354,6 +354,17 @@ def test_compute_images_carry_a_c_compiler(dockerfile: Path) -> None:
     assert any({"gcc", "libc6-dev"} <= i for i in installs), f"{dockerfile.name}: no C compiler"
 
 
+def test_cuda_image_lets_cupy_load_nvrtc() -> None:
+    """CuPy compiles the KV-cache kernels with NVRTC, and the image has no CUDA toolkit:
+    NVRTC is torch's nvidia-cuda-nvrtc-cu12 wheel's, which CuPy 13 finds only on the
+    loader's path. Both stages put its folder there, and the build checks CuPy loads it."""
+    dockerfile = ROOT / "deploy/docker/compute-cuda.Dockerfile"
+    nvrtc = "LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cuda_nvrtc/lib"
+    build, _, runtime = dockerfile.read_text().rpartition("\nFROM ")
+    assert nvrtc in build and nvrtc in runtime
+    assert "from cupy.cuda import nvrtc; print('NVRTC', nvrtc.getVersion())" in build
+
+
 @pytest.mark.parametrize("dockerfile", sorted((ROOT / "deploy/docker").glob("*.Dockerfile")))
 def test_images_can_trace(dockerfile: Path) -> None:
     """Every plane takes --otlp-traces-endpoint, which needs the otel extra: without it in
