@@ -374,7 +374,10 @@ class ComputePlane:
                     if not self.refused:
                         log.info("compute plane %s: %s", self.address, e)
                     self.refused = True  # another control plane drives it
-                self._quarantine()
+                if getattr(e, "stopped", False):  # a planned stop (a drain that timed
+                    self._forget_in_flight()  # out), no crash: its requests are no suspects
+                else:
+                    self._quarantine()
                 if self.attached.is_set():
                     self._detach()
                     self._lost_since = now

@@ -27,7 +27,9 @@ POISON = [9, 8, 7, 6]
 PARAMS = pb.GenerationParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-async def _run(path: Path, poison: bool) -> tuple[dict[str, list[int] | BaseException], int]:
+async def _run(
+    path: Path, poison: bool, stops: bool = False
+) -> tuple[dict[str, list[int] | BaseException], int]:
     engine = Engine(
         ComputeConfig(model=str(path), kv_cache_bytes=16 << 20, metrics_port=-1),
         load_model(path, progress=False),
@@ -39,6 +41,11 @@ async def _run(path: Path, poison: bool) -> tuple[dict[str, list[int] | BaseExce
         if any(n.request_id.startswith("poison") for n in step.new_requests):
             crashes += 1
             engine.reset(failed=True)
+            if stops:  # as a plane stopped by SIGTERM whose drain timed out looks
+                if crashes <= 3:
+                    stopped = "compute plane x: UNAVAILABLE: the compute plane stopped"
+                    raise ComputeLinkError(stopped, "UNAVAILABLE", stopped=True)
+                return engine.step(step)
             raise ComputeLinkError("the compute plane died")  # as a crashed process looks
         return engine.step(step)
 
@@ -79,6 +86,20 @@ def test_a_request_that_crashes_the_compute_plane_twice_is_failed(smollm2_path: 
     assert crashes == 2
     assert got == clean  # the others finish, their tokens unchanged
     assert all(isinstance(v, list) and len(v) == 8 for v in clean.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_request_in_flight_at_planned_stops_is_not_failed(smollm2_path: Path) -> None:
+    """The compute plane stops (SIGTERM, its drain timed out) three times with a request in
+    flight: a planned stop is no crash, so the request is re-sent each time and finishes
+    with the tokens it gets when nothing stops (it was failed at the second stop, 'the
+    compute plane failed 2 times in a row', as a request that crashes it)."""
+    clean, _ = asyncio.run(_run(smollm2_path, poison=False))
+    got, stops = asyncio.run(_run(smollm2_path, poison=True, stops=True))
+    assert stops == 4  # three stops, then the fourth try computes it
+    done = got.pop("poison")
+    assert isinstance(done, list) and len(done) == 8, done
+    assert got == clean
 
 
 @pytest.mark.timeout(300)
