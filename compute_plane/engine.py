@@ -218,7 +218,8 @@ class Engine:
         self.failed_alone: dict[str, Failure] = {}  # failed, not yet in a step's finished_ids
         self.counters = pb.StatsResponse()
         # The served model's id, as the control plane's ModelInfo and metrics name it.
-        self.metric_labels = {"model_name": model_display_name(loaded.path)}
+        name = config.served_model_name or model_display_name(loaded.path)
+        self.metric_labels = {"model_name": name}
         self._init_metrics(loaded)
         # Tests of numeric parity turn this on to see the logits of every computed
         # token (the serving path only computes logits of the tokens it samples).

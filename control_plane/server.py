@@ -539,9 +539,10 @@ async def serve(config: ControlConfig) -> None:
     if config.chat_template:
         tokenizer.chat_template = read_chat_template(config.chat_template)
         log.info("chat template from %s", config.chat_template)
-    engine = ControlEngine(config, tokenizer, model_name=model_display_name(path))
+    name = config.served_model_name or model_display_name(path)  # ModelInfo's and the metrics'
+    engine = ControlEngine(config, tokenizer, model_name=name)
     plane = GrpcPlane(config, SERVICE_NAME, max_receive_bytes=MAX_RECEIVE_BYTES)
-    servicer = ControlServicer(engine, model_display_name(path), generation_defaults(path))
+    servicer = ControlServicer(engine, name, generation_defaults(path))
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, plane.server)
     await plane.start()
     await engine.start()

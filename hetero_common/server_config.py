@@ -45,6 +45,14 @@ class GrpcServerConfig(ServerConfig):
         default=None,
         metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"},
     )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model's name in the metrics' model_name label (and the control "
+            "plane's ModelInfo, which a gateway without its own --served-model-name serves "
+            "it as); default: the model file's name"
+        },
+    )
 
     @property
     def tls(self) -> ServerTLS:
@@ -55,3 +63,5 @@ class GrpcServerConfig(ServerConfig):
         self.tls  # noqa: B018 -- validates the TLS flags
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(f"served_model_name must not be empty, got {self.served_model_name!r}")

@@ -99,6 +99,12 @@ def _serve(args: argparse.Namespace) -> int:
     compute_args: list[str] = list(args.compute_arg or [])
     if args.chat_template:
         control_args += ["--chat-template", args.chat_template]
+    gateway_args: tuple[str, ...] = ()
+    if args.served_model_name is not None:  # every plane's: the metrics' label, the API's id
+        name = ["--served-model-name", args.served_model_name]
+        control_args += name
+        compute_args += name
+        gateway_args += tuple(name)
     # Checked before the planes start, not once they have loaded, naming serve's flags (a
     # plane named its own: --metrics-port, or --max-speculative-tokens for a bad k).
     if not 0 < args.port < 65536:
@@ -135,6 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_ports=(args.compute_metrics_port, args.control_metrics_port),
         control_args=tuple(control_args),
         num_compute=args.compute_planes,
+        gateway_args=gateway_args,
     )
 
 
@@ -204,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="default", help="HF folder, .gguf, 'default' or 'gemma3'")
     p.add_argument("--host", default="127.0.0.1", help="address of the HTTP API")
     p.add_argument("--port", type=int, default=8000, help="port of the HTTP API")
+    p.add_argument(
+        "--served-model-name",
+        type=_name,
+        default=None,
+        help="the model's name in the API (the `model` clients send) and in every plane's "
+        "metrics (model_name); default: the model file's name",
+    )
     p.add_argument(
         "--compute-planes",
         type=int,
@@ -311,6 +325,13 @@ def _utf8(value: str) -> str:
         value.encode()
     except UnicodeEncodeError:
         raise argparse.ArgumentTypeError("is not valid UTF-8") from None
+    return value
+
+
+def _name(value: str) -> str:
+    """A served model name: not empty (each plane refused one once it had started)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty")
     return value
 
 

@@ -387,6 +387,7 @@ def serve_stack(
     metrics_ports: tuple[int, int] = (0, 0),
     control_args: tuple[str, ...] = (),
     num_compute: int = 1,
+    gateway_args: tuple[str, ...] = (),
 ) -> int:
     """Run the three planes until SIGINT/SIGTERM; print the URL once the gateway is ready.
     `num_compute`: compute planes behind the control plane (data parallel)."""
@@ -412,7 +413,7 @@ def serve_stack(
     @contextlib.contextmanager
     def gateway(control: str) -> Iterator[None]:
         """The gateway, started while the compute plane loads."""
-        with gateway_process(control, port, "--host", host, *log_args) as gw:
+        with gateway_process(control, port, "--host", host, *log_args, *gateway_args) as gw:
             gateways.append(gw)
             yield
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,3 +195,57 @@ def test_ready_follows_the_compute_plane() -> None:
             body = {"model": httpx.get(url).json()["model"], "prompt": "Hi", "max_tokens": 2}
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
+
+
+def _model_names(url: str) -> set[str]:
+    """The model_name labels of a plane's hetero_ series."""
+    text = httpx.get(url, timeout=10).text
+    return set(re.findall(r'^hetero_\w+\{[^}]*model_name="([^"]*)"', text, re.M))
+
+
+def test_every_plane_labels_its_series_with_the_served_model_name() -> None:
+    # vLLM labels its series with --served-model-name; the planes labelled theirs with the
+    # model file's name whatever the gateway served it as, and only the gateway had the flag.
+    served = ("--served-model-name", "smol-chat")
+    with gateway_stack(served, served) as s:  # the gateway: no flag of its own
+        assert [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]] == ["smol-chat"]
+        body = {"model": "smol-chat", "prompt": "Hi", "max_tokens": 2}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        for port in (s.control_metrics, s.compute_metrics):
+            assert _model_names(f"http://127.0.0.1:{port}/metrics") == {"smol-chat"}
+        # A gateway's own flag still names the model to its clients.
+        with gateway(s.control, free_port(), "--served-model-name", "other") as url:
+            assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["other"]
+            r = httpx.post(url + "/v1/completions", json={**body, "model": "other"}, timeout=60)
+            assert r.status_code == 200, r.text
+
+
+def test_serve_passes_the_served_model_name_to_every_plane() -> None:
+    port, kmetrics, cmetrics = free_port(), free_port(), free_port()
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--port", str(port)]
+    cmd += ["--served-model-name", "smol-chat", "--compute-metrics-port", str(kmetrics)]
+    cmd += ["--control-metrics-port", str(cmetrics)]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ready(url + "/ready", proc, timeout=300)  # type: ignore[arg-type]
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["smol-chat"]
+        for metrics in (kmetrics, cmetrics):
+            assert _model_names(f"http://127.0.0.1:{metrics}/metrics") == {"smol-chat"}
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=60) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("plane", ["serve", "control-plane", "compute-plane"])
+def test_an_empty_served_model_name_is_refused(plane: str) -> None:
+    cmd = [sys.executable, "-m", "hetero_infer.cli", plane, "--served-model-name", " "]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "served" in r.stderr and "empty" in r.stderr, r.stderr
