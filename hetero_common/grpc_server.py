@@ -68,7 +68,13 @@ class GrpcPlane:
                     f"--metrics-port {port}: cannot listen on {host}:{port}: {e.strerror or e}"
                 ) from None
             self.metrics_port = int(httpd.server_port)
-            log.info("metrics at http://%s:%d/metrics", host, self.metrics_port)
+            # (with its gRPC address: serve's compute planes log theirs side by side)
+            log.info(
+                "metrics at http://%s:%d/metrics (gRPC on %s)",
+                host,
+                self.metrics_port,
+                self.address,
+            )
         # grpc's health servicer answers SERVING for "" until told otherwise, and nothing
         # for LIVENESS: a control plane read as ready (a Kubernetes readiness probe, the
         # gateways) from its first answer until its first check for a compute plane.

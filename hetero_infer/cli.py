@@ -9,6 +9,7 @@ import functools
 import logging
 import math
 import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -115,6 +116,9 @@ def _serve(args: argparse.Namespace) -> int:
     ):
         if not -1 <= port < 65536:
             raise ValueError(f"--{plane}-metrics-port must be in -1..65535, got {port}")
+    _check_metrics_ports(
+        args.port, args.compute_metrics_port, args.control_metrics_port, args.compute_planes
+    )
     method = args.speculative or ("draft" if args.draft_model else None)
     if method is not None and not 1 <= args.num_speculative_tokens <= 64:
         raise ValueError(
@@ -143,6 +147,42 @@ def _serve(args: argparse.Namespace) -> int:
         num_compute=args.compute_planes,
         gateway_args=gateway_args,
     )
+
+
+def _check_metrics_ports(port: int, compute: int, control: int, planes: int) -> None:
+    """serve's /metrics ports given: compute plane i's is --compute-metrics-port + i. Each
+    must be a port, no other port of the stack, and free (a plane that could not bind its
+    own stopped the stack once the others had loaded, naming its --metrics-port)."""
+    from hetero_common.cpus import usable_cpus
+    from hetero_infer.local import compute_metrics_ports
+
+    if not 1 <= planes <= usable_cpus():
+        return  # (local_planes names --compute-planes)
+    ports = {"--port": port}
+    for i, p in enumerate(compute_metrics_ports(compute, planes)):
+        if p > 0:
+            name = f"--compute-metrics-port + {i} (compute plane {i + 1}'s)" if i else ""
+            ports[name or "--compute-metrics-port"] = p
+    if control > 0:
+        ports["--control-metrics-port"] = control
+    if compute > 0 and compute + planes - 1 > 65535:
+        raise ValueError(
+            f"--compute-metrics-port {compute}: the {planes} compute planes take ports "
+            f"{compute}..{compute + planes - 1}, past 65535"
+        )
+    seen: dict[int, str] = {}
+    for name, p in ports.items():
+        if p in seen:
+            raise ValueError(f"{name} is port {p}, as {seen[p]} is")
+        seen[p] = name
+        if name == "--port":
+            continue  # (the gateway's, on --host: it names its own)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the planes bind
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError as e:
+                raise ValueError(f"{name}: port {p} is not free ({e.strerror or e})") from None
 
 
 def _check_kv_caches(planes: int, compute_args: list[str]) -> None:

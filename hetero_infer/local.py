@@ -241,6 +241,12 @@ def spawned(args: list[str], quiet: bool = False) -> Iterator[subprocess.Popen[b
 Front = Callable[[str], contextlib.AbstractContextManager[object]]
 
 
+def compute_metrics_ports(first: int, num_compute: int) -> list[int]:
+    """The /metrics ports of `num_compute` compute planes: consecutive from `first`, so that
+    a scrape config can list them (0: each picks a free one and logs it; -1: none)."""
+    return [first + i if first > 0 else first for i in range(num_compute)]
+
+
 @contextlib.contextmanager
 def local_planes(
     model: str,
@@ -260,8 +266,9 @@ def local_planes(
 
     metrics_ports: the (compute, control) /metrics ports (0: the plane picks a free one and
     logs it; -1: none); default: free ones. With several compute planes (`num_compute`,
-    data parallel behind the one control plane) the others pick their own, and each
-    gets an equal share of this process's CPUs unless extra_compute sets --num-threads.
+    data parallel behind the one control plane) compute plane i gets the compute port + i
+    (`compute_metrics_ports`), and each gets an equal share of this process's CPUs unless
+    extra_compute sets --num-threads.
     log_args: --log-level / --log-format flags for both. start_timeout: seconds for all of
     them to be serving (TimeoutError, each stopped); default: START_TIMEOUT for each.
     stopping: StartStopped (each stopped) once it turns true while they start.
@@ -274,7 +281,10 @@ def local_planes(
         )
     cport = free_port()
     kports = [free_port() for _ in range(num_compute)]
-    kmetrics, cmetrics = metrics_ports or (free_port(), free_port())
+    if metrics_ports is None:
+        kmetrics, cmetrics = [free_port() for _ in kports], free_port()
+    else:
+        kmetrics, cmetrics = compute_metrics_ports(metrics_ports[0], num_compute), metrics_ports[1]
     computes = [f"127.0.0.1:{kport}" for kport in kports]
     control = f"127.0.0.1:{cport}"
     control_args = ["control-plane", *log_args, "--model", model, "--port", str(cport)]
@@ -285,8 +295,7 @@ def local_planes(
         share = cpus // num_compute
         threads = ("--num-threads", str(share))
     compute_planes = []
-    for i, (kport, compute) in enumerate(zip(kports, computes, strict=True)):
-        port = kmetrics if i == 0 or kmetrics <= 0 else 0
+    for kport, compute, port in zip(kports, computes, kmetrics, strict=True):
         args = ["compute-plane", *log_args, "--model", model, "--port", str(kport)]
         compute_planes.append(
             ([*args, "--metrics-port", str(port), *threads, *extra_compute], compute)

@@ -10,7 +10,9 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -323,14 +325,27 @@ def test_a_draining_compute_plane_hands_over_its_waiting_requests() -> None:
         assert moved >= 1, moved
 
 
-def test_serve_starts_several_compute_planes() -> None:
+def _free_pair() -> int:
+    """A free port whose next one is free too."""
+    while True:
+        port = free_port()
+        with socket.socket() as s, contextlib.suppress(OSError):
+            s.bind(("127.0.0.1", port + 1))
+            return port
+
+
+def test_serve_starts_several_compute_planes(tmp_path: Path) -> None:
     """`hetero-infer serve --compute-planes 2`: two compute planes behind the control
-    plane, both attached, concurrent requests spread over both."""
-    port, cmetrics = free_port(), free_port()
+    plane, both attached, concurrent requests spread over both; their /metrics on
+    consecutive ports from --compute-metrics-port, each logged with its gRPC address."""
+    port, cmetrics, kmetrics = free_port(), free_port(), _free_pair()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hetero_infer.cli", "serve", "--port", str(port)]
     cmd += ["--compute-planes", "2", "--control-metrics-port", str(cmetrics)]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    cmd += ["--compute-metrics-port", str(kmetrics)]
+    log = tmp_path / "serve.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(cmd, stderr=err, start_new_session=True)
     try:
         wait_http_ready(url + "/ready", proc, timeout=300)
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -352,7 +367,20 @@ def test_serve_starts_several_compute_planes() -> None:
         attached = [ln for ln in lines if ln.startswith("hetero_compute_attached{")]
         assert len(attached) == 2 and all(ln.endswith(" 1.0") for ln in attached), attached
         routed = [ln for ln in lines if ln.startswith("hetero_routed_requests_total{")]
-        assert len({ln.split('compute="')[1].split('"')[0] for ln in routed}) == 2, routed
+        computes = {ln.split('compute="')[1].split('"')[0] for ln in routed}
+        assert len(computes) == 2, routed
+        # The first plane had --compute-metrics-port, the other a free port, logged
+        # without its plane's address: nothing told which plane's series were whose.
+        logged = dict(
+            re.findall(
+                r"metrics at http://127\.0\.0\.1:(\d+)/metrics \(gRPC on (\S+)\)", log.read_text()
+            )
+        )
+        assert set(logged) >= {str(kmetrics), str(kmetrics + 1)}, log.read_text()
+        assert {logged[str(kmetrics)], logged[str(kmetrics + 1)]} == computes, logged
+        for metrics in (kmetrics, kmetrics + 1):
+            text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).text
+            assert "hetero_compute_steps_total" in text
     finally:
         with contextlib.suppress(ProcessLookupError):  # serve may have exited already
             os.killpg(proc.pid, signal.SIGTERM)

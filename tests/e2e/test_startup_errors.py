@@ -173,6 +173,32 @@ def test_serve_refuses_bad_plane_flags_before_starting_anything(
     assert "compute_plane" not in r.stderr  # nothing started
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+def test_serve_refuses_a_metrics_port_in_use_before_starting_anything(
+    planes: int, taken_port: int
+) -> None:
+    # Compute plane i's /metrics is --compute-metrics-port + i; one taken stopped the
+    # stack once the others had loaded, naming the plane's own --metrics-port.
+    if usable_cpus() < planes:
+        pytest.skip(f"--compute-planes {planes} needs {planes} CPUs")
+    first = taken_port - planes + 1
+    args = ("--compute-planes", str(planes), "--compute-metrics-port", str(first))
+    r = _run("serve", "--port", str(free_port()), *args, timeout=30)
+    name = "--compute-metrics-port + 1 (compute plane 2's)" if planes == 2 else args[2]
+    _refused(r, f"{name}: port {taken_port} is not free")
+    assert "compute_plane" not in r.stderr  # nothing started
+
+
+def test_serve_refuses_metrics_ports_that_meet_before_starting_anything() -> None:
+    if usable_cpus() < 2:
+        pytest.skip("--compute-planes 2 needs 2 CPUs")
+    port = free_port()
+    args = ("--compute-planes", "2", "--compute-metrics-port", str(port))
+    r = _run("serve", "--port", str(free_port()), *args, "--control-metrics-port", str(port + 1))
+    _refused(r, f"--control-metrics-port is port {port + 1}, as --compute-metrics-port + 1")
+    assert "compute_plane" not in r.stderr  # nothing started
+
+
 @pytest.mark.parametrize("extra", [0, 1])
 def test_serve_bounds_compute_planes_by_the_cpus(extra: int) -> None:
     # No upper bound: --compute-planes 10000 started 10000 processes, each loading the model.
