@@ -91,6 +91,8 @@ class GatewayConfig(ServerConfig):
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         targets(self.control)  # ValueError names a malformed address
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(f"served_model_name must not be empty, got {self.served_model_name!r}")
         for name in (
             "request_timeout",
             "header_timeout",

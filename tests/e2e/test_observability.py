@@ -242,7 +242,7 @@ def test_serve_passes_the_served_model_name_to_every_plane() -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("plane", ["serve", "control-plane", "compute-plane"])
+@pytest.mark.parametrize("plane", ["serve", "control-plane", "compute-plane", "gateway"])
 def test_an_empty_served_model_name_is_refused(plane: str) -> None:
     cmd = [sys.executable, "-m", "hetero_infer.cli", plane, "--served-model-name", " "]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
