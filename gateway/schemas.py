@@ -24,7 +24,14 @@ from pydantic import (
     model_validator,
 )
 
-from hetero_common.limits import MAX_N, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
+from hetero_common.limits import (
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+)
 
 INT32 = 2**31  # counts and token ids travel as int32 in control.proto
 # The control plane checks token ids against the model's vocabulary.
@@ -194,7 +201,7 @@ class SamplingFields(Strict):
     model: Text
     max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -206,7 +213,7 @@ class SamplingFields(Strict):
     # vLLM-style extensions
     top_k: Annotated[int, Field(ge=-1, lt=INT32)] = -1
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, lt=INT32)] = 0
     stop_token_ids: list[TokenId] | None = None

@@ -11,6 +11,8 @@ MAX_N = 16  # choices per prompt
 MAX_STOPS = 4  # stop strings per request (OpenAI's own limit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's own limit)
 MAX_STOP_CHARS = 256  # characters in one stop string: each is searched on every delta
+MAX_TEMPERATURE = 2.0  # OpenAI's range, 0..2
+MAX_REPETITION_PENALTY = 10.0  # (0, 10]: past it every seen token is all but banned
 # Largest request message the control plane takes (grpc's default limit, 4 MiB): a larger
 # one is RESOURCE_EXHAUSTED, for that request alone. The gateway refuses a larger one
 # itself (413), naming the HTTP request.

@@ -6,7 +6,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from hetero_common.limits import MAX_TOP_LOGPROBS
+from hetero_common.limits import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 from hetero_proto import compute_pb2 as pb
 
 # Below this temperature a row is sampled greedily (vLLM's _SAMPLING_EPS): dividing the
@@ -81,16 +81,19 @@ class SamplingSpec:
     def validate(self, vocab_size: int | None = None) -> str | None:
         """A message naming the first bad field, or None; token ids must be below
         `vocab_size` when it is given."""
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            return f"temperature must be a finite number >= 0, got {self.temperature}"
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # (NaN too)
+            return f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
         if not (0.0 < self.top_p <= 1.0):
             return f"top_p must be in (0, 1], got {self.top_p}"
         if self.top_k < 0:
             return f"top_k must be >= 0 (0 = off), got {self.top_k}"
         if not (0.0 <= self.min_p <= 1.0):
             return f"min_p must be in [0, 1], got {self.min_p}"
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            return f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:  # (NaN too)
+            return (
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}"
+            )
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if not (math.isfinite(v) and -2.0 <= v <= 2.0):

@@ -7,13 +7,13 @@ import asyncio
 import atexit
 import functools
 import logging
-import math
 import os
 import socket
 import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from hetero_common.limits import MAX_TEMPERATURE
 from hetero_common.logs import LOG_FORMATS, setup_logging
 from hetero_common.tracing import setup_tracing
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
@@ -350,8 +350,8 @@ def _temperature(value: str) -> float:
     """A temperature the control plane takes (it refused others once both planes had
     loaded)."""
     t = float(value)  # (a ValueError: argparse's "invalid ... value")
-    if not (math.isfinite(t) and t >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    if not 0 <= t <= MAX_TEMPERATURE:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_TEMPERATURE:g}], got {value}")
     return t
 
 

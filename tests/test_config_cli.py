@@ -165,8 +165,9 @@ def test_an_unknown_log_level_is_a_usage_error(
         (["--seed", str(2**64)], f"argument --seed: must be in 0..{2**64 - 1}, got {2**64}"),
         (["--max-tokens", str(2**31)], f"--max-tokens: must be in 0..2147483647, got {2**31}"),
         (["--max-tokens", "-5"], "argument --max-tokens: must be in 0..2147483647, got -5"),
-        (["--temperature", "-1"], "argument --temperature: must be a finite number >= 0, got -1"),
-        (["--temperature", "nan"], "argument --temperature: must be a finite number >= 0, got nan"),
+        (["--temperature", "-1"], "argument --temperature: must be in [0, 2], got -1"),
+        (["--temperature", "nan"], "argument --temperature: must be in [0, 2], got nan"),
+        (["--temperature", "2.5"], "argument --temperature: must be in [0, 2], got 2.5"),
     ],
 )
 def test_generate_flags_the_request_cannot_hold_are_usage_errors(

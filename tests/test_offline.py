@@ -150,6 +150,11 @@ def test_a_refused_prompt_of_a_batch_is_named_by_its_index(smollm2_path: Path) -
         (["Hi", "word " * 100, "Ho"], [p] * 3, r"prompts\[1\]: the prompt has 101 tokens"),
         (["Hi", "Ho", [1, 49152]], [p] * 3, r"prompts\[2\]: prompt: token id 49152 is out"),
         (["Hi", "Ho"], [p, pb.GenerationParams(n=17)], r"prompts\[1\]: n must be in 1\.\.16"),
+        (  # (the gateway's range, docs/api.md: 11 ran)
+            ["Hi", "Ho"],
+            [p, pb.GenerationParams(repetition_penalty=11)],
+            r"prompts\[1\]: repetition_penalty must be in \(0, 10\], got 11",
+        ),
     ]:
         with pytest.raises(ValueError, match=rf"^{message}"):
             llm.generate(prompts, params)

@@ -319,6 +319,7 @@ def test_from_proto_maps_proto3_zeros_to_off() -> None:
         ("temperature", math.nan),
         ("temperature", math.inf),
         ("temperature", -0.5),
+        ("temperature", 2.5),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_p", math.nan),
@@ -327,6 +328,8 @@ def test_from_proto_maps_proto3_zeros_to_off() -> None:
         ("min_p", 2.0),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", math.nan),
+        ("repetition_penalty", 11.0),
+        ("repetition_penalty", math.inf),
         ("frequency_penalty", math.inf),
         ("frequency_penalty", -2.5),
         ("presence_penalty", 3.0),
@@ -344,6 +347,7 @@ def test_validate_accepts_the_edges() -> None:
     edges = SamplingSpec(top_p=1.0, min_p=1.0, frequency_penalty=-2.0, presence_penalty=2.0)
     assert edges.validate() is None
     assert SamplingSpec(top_logprobs=20, repetition_penalty=0.01).validate() is None
+    assert SamplingSpec(temperature=2.0, repetition_penalty=10.0).validate() is None
 
 
 @pytest.mark.gpu

@@ -39,6 +39,13 @@ def inputs(tok: TokenizerWrapper) -> InputProcessor:
         ([1, -1], pb.GenerationParams(), "0..49151"),
         ([1, 2], pb.GenerationParams(max_tokens=3, min_tokens=4), "min_tokens (4)"),
         ([1, 2], pb.GenerationParams(temperature=-0.5), "temperature"),
+        # The gateway's bounds (docs/api.md), for gRPC and OfflineLLM too:
+        ([1, 2], pb.GenerationParams(temperature=2.5), "temperature must be in [0, 2]"),
+        (
+            [1, 2],
+            pb.GenerationParams(repetition_penalty=11),
+            "repetition_penalty must be in (0, 10]",
+        ),
         ([1, 2], pb.GenerationParams(top_p=1.5), "top_p"),
         ([1, 2], pb.GenerationParams(frequency_penalty=3.0), "frequency_penalty"),
         ([1, 2], pb.GenerationParams(top_logprobs=21), "top_logprobs"),
@@ -72,6 +79,7 @@ def test_a_bad_field_is_refused_by_name(
     [
         pb.GenerationParams(top_k=-1),
         pb.GenerationParams(top_k=1),
+        pb.GenerationParams(temperature=2.0, repetition_penalty=10.0),
         pb.GenerationParams(logprobs=True),
         pb.GenerationParams(logprobs=True, top_logprobs=2),
         pb.GenerationParams(stop=["x"]),
