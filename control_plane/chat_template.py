@@ -13,6 +13,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from hetero_common.limits import CONTENT_REQUIRED
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (bad shape, or the template raised)."""
@@ -82,7 +84,9 @@ def read_chat_template(path: str) -> str:
 def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Content may be a string or a list of {"type": "text", "text": ...} parts; other keys
     (name, tool_calls, tool_call_id) pass through as the template expects them. A
-    developer message is the system message templates know (as the gateway read it)."""
+    developer message is the system message templates know (as the gateway read it). A
+    system, developer, user or tool message without content (left out, or None) is
+    refused, as the gateway refuses it."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -104,6 +108,10 @@ def normalise_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 parts.append(str(part.get("text", "")))
             content = "".join(parts)
         elif content is None:
+            if m.get("role") in CONTENT_REQUIRED:  # (a ChatInput's is "" at worst)
+                raise ChatTemplateError(
+                    f"messages[{i}]: a {m['role']} message needs content (a string or text parts)"
+                )
             content = ""
         elif not isinstance(content, str):
             raise ChatTemplateError(

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from hetero_common.limits import (
+    CONTENT_REQUIRED,
     MAX_N,
     MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
@@ -306,11 +307,6 @@ class ToolCall(Strict):
     id: Text
     type: Literal["function"] = "function"
     function: FunctionCall
-
-
-# Roles whose turn is nothing without content (an assistant turn may be only tool calls,
-# and a template's own roles are the template's business).
-CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
 
 class ChatMessage(Strict):

@@ -37,3 +37,7 @@ LINK_MAX_MESSAGE_BYTES = -1
 # request of the compute plane failed INTERNAL). Past this the next waiting requests start
 # in the next step; one alone is always admitted (max_model_len ids: a few MB).
 STEP_NEW_REQUEST_BYTES = 256 << 20
+# Chat roles whose turn is nothing without content: left out or null is refused, as OpenAI
+# refuses it (an assistant turn may be only tool calls, and a template's own roles are
+# the template's business).
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")

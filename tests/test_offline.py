@@ -255,6 +255,10 @@ def test_a_chat_s_messages_are_checked_and_its_tool_calls_read_as_a_chat_request
         for chat, message in [
             ([hi, "oops"], r"^messages\[1\] must be a message dict \(role, content\), got str"),
             ([[hi], [hi, 5]], r"^conversations\[1\]: messages\[1\] must be a message dict"),
+            (  # (the gateway's 400; it rendered an empty turn)
+                [hi, {"role": "assistant", "content": "Yo"}, {"role": "user"}],
+                r"^messages\[2\]: a user message needs content \(a string or text parts\)",
+            ),
             (
                 [hi, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}],
                 r"^messages\[1\]\.tool_calls: each needs function\.name",

@@ -319,3 +319,20 @@ def test_an_empty_role_is_refused_by_name() -> None:
     with pytest.raises(ChatTemplateError) as e:
         render_chat("{{ messages }}", [_turn("user"), {"role": "", "content": "x"}], True, "", "")
     assert str(e.value) == "messages[1].role must not be empty"
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_a_message_without_the_content_its_role_needs_is_refused_by_name(role: str) -> None:
+    # The gateway answered 400 (OpenAI refuses it); OfflineLLM.chat rendered an empty turn.
+    for missing in ({"role": role}, {"role": role, "content": None}):
+        with pytest.raises(ChatTemplateError) as e:
+            render_chat("{{ messages }}", [_turn("user"), missing], True, "", "")
+        assert (
+            str(e.value) == f"messages[1]: a {role} message needs content (a string or text parts)"
+        )
+    # An assistant turn may be tool calls alone, and a role of the template's its own.
+    for role_ in ("assistant", "ipython"):
+        assert (
+            render_chat("{{ messages[1].content }}", [_turn("user"), {"role": role_}], True, "", "")
+            == ""
+        )
