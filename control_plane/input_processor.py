@@ -57,6 +57,11 @@ def _check_fields(params: pb.GenerationParams) -> None:
         raise AdmissionError("json_object must be true when set")
 
 
+def skip_special_tokens(params: pb.GenerationParams) -> bool:
+    """Whether special tokens are dropped from the text: unset is true, as vLLM's."""
+    return params.skip_special_tokens if params.HasField("skip_special_tokens") else True
+
+
 class InputProcessor:
     def __init__(self, tokenizer: TokenizerWrapper, grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
@@ -200,7 +205,7 @@ class InputProcessor:
                 # Its prompt's logits are all needed: a prefix-cache hit would skip them.
                 skip_prefix_cache=params.HasField("prompt_logprobs"),
             )
-            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens(params))
             for token in resumed:  # the client has their text
                 detok.push(token)
             # (resumed tokens count toward min_tokens: the client has their text)

@@ -347,3 +347,18 @@ def test_generate_and_chat_run_from_code_an_event_loop_is_running(smollm2_path: 
     assert asyncio.run(cell()) == outside
     (done,) = llm.generate("Hi", p)
     assert len(done.token_ids[0]) == 4
+
+
+def test_special_tokens_are_dropped_from_the_text_unless_asked_for(smollm2_path: Path) -> None:
+    """skip_special_tokens left unset kept them (proto3's false); vLLM's SamplingParams
+    and the gateway drop them unless told not to."""
+    im_start = 1  # <|im_start|>, a special token of the bundled model
+    p = pb.GenerationParams(max_tokens=2, temperature=0.0, logit_bias={im_start: 100})
+    shown = pb.GenerationParams(skip_special_tokens=False)
+    shown.MergeFrom(p)
+    with OfflineLLM(str(smollm2_path)) as llm:
+        dropped, kept = llm.generate(["Hi", "Hi"], [p, shown])
+        (default,) = llm.generate("Hi", pb.GenerationParams(max_tokens=2, logit_bias={1: 100}))
+    assert dropped.token_ids == kept.token_ids == [[im_start] * 2]
+    assert dropped.texts == default.texts == [""]
+    assert kept.texts == ["<|im_start|>" * 2]

@@ -440,8 +440,8 @@ def test_resumed_output_continues_exactly(stub: pb_grpc.ControlPlaneStub, params
         )
         rest, rest_text, rest_usage = _full(stub, resumed)
         assert rest == tokens[cut:], cut
-        head = stub.Detokenize(
-            pb.DetokenizeRequest(token_ids=tokens[:cut], skip_special_tokens=False)
+        head = stub.Detokenize(  # (as Generate's text: skip_special_tokens unset is true)
+            pb.DetokenizeRequest(token_ids=tokens[:cut], skip_special_tokens=True)
         )
         assert head.text + rest_text == text, cut
         assert (rest_usage.prompt_tokens, rest_usage.completion_tokens) == (len(prompt), 24)
