@@ -97,20 +97,24 @@ class OfflineLLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str | list[int]],
+        prompts: str | Mapping[str, Any] | Sequence[Prompt],
         params: pb.GenerationParams | Sequence[pb.GenerationParams] | None = None,
     ) -> list[Completion]:
         """Run every prompt to the end, all admitted at once (the waiting queue is made to
         hold them, as vLLM's LLM.generate takes any number); results in prompt order.
-        Each prompt is a string or a list of token ids (a single string: one prompt);
-        `params` one GenerationParams for every prompt, one per prompt, or None (the
-        defaults). TypeError / ValueError name a prompt or params that is neither, or a
-        count of params that does not match (AdmissionError, a ValueError, for a prompt
-        or params the engine refuses: `prompts[i]: ...`, raised before any prompt runs).
-        Calls from several threads run one after another."""
-        if isinstance(prompts, str):
+        Each prompt is a string, a list of token ids, or vLLM's {"prompt": text} or
+        {"prompt_token_ids": ids} (a single string or dict: one prompt); `params` one
+        GenerationParams for every prompt, one per prompt, or None (the defaults).
+        TypeError / ValueError name a prompt or params that is neither, or a count of
+        params that does not match (AdmissionError, a ValueError, for a prompt or params
+        the engine refuses: `prompts[i]: ...`, raised before any prompt runs). Calls from
+        several threads run one after another."""
+        if isinstance(prompts, str | Mapping):
             prompts = [prompts]
-        return self._run(prompts, _per_prompt(params, len(prompts) if _is_list(prompts) else 0))
+        if not _is_list(prompts):
+            return self._run(prompts, _per_prompt(params, 0))  # type: ignore[arg-type]  # (refused)
+        listed = [_undict(p, i) for i, p in enumerate(prompts)]
+        return self._run(listed, _per_prompt(params, len(listed)))
 
     def chat(
         self,
@@ -267,6 +271,31 @@ def _messages(chat: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _undict(prompt: Any, i: int) -> Any:
+    """vLLM's prompt dicts as the prompt they hold: {"prompt": text} (TextPrompt) or
+    {"prompt_token_ids": ids} (TokensPrompt); their other keys (multi-modal data, a cache
+    salt, ...) mean nothing here and are refused, not dropped."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    if len(prompt) == 1 and "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise TypeError(f"prompts[{i}]['prompt'] must be a str, got {type(text).__name__}")
+        return text
+    if len(prompt) == 1 and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Sequence):
+            raise TypeError(
+                f"prompts[{i}]['prompt_token_ids'] must be a list of token ids, got "
+                f"{type(ids).__name__}"
+            )
+        return ids
+    raise TypeError(
+        f"prompts[{i}]: a prompt dict is {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
+        f"got keys {sorted(map(str, prompt))}"
+    )
+
+
 def _is_list(prompts: object) -> bool:
     return isinstance(prompts, Sequence) and not isinstance(prompts, str | bytes)
 
@@ -337,6 +366,8 @@ async def _collect(stream: GenerateStream) -> Completion:
 
 
 C = TypeVar("C", ComputeConfig, ControlConfig)
+# A prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | list[int] | Mapping[str, Any]
 R = TypeVar("R")
 
 

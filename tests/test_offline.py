@@ -64,6 +64,22 @@ def test_prompts_and_params_that_would_be_misread_are_refused(smollm2_path: Path
         # params dict', a ValueError that named no type)
         ("a", {"max_tokens": 2}, TypeError, r"^params must be a GenerationParams, a list of"),
         (["a"], 5, TypeError, r"^params must be .* or None, got int$"),
+        # vLLM's prompt dicts are {"prompt": text} or {"prompt_token_ids": ids}, no more
+        (
+            [{"prompt": "a", "multi_modal_data": {}}],
+            [p],
+            TypeError,
+            r"^prompts\[0\]: a prompt dict is .* got keys \['multi_modal_data', 'prompt'\]$",
+        ),
+        (["a", {}], None, TypeError, r"^prompts\[1\]: a prompt dict is"),
+        ({"prompt": [1, 2]}, p, TypeError, r"^prompts\[0\]\['prompt'\] must be a str, got list"),
+        (
+            [{"prompt_token_ids": "12"}],
+            p,
+            TypeError,
+            r"^prompts\[0\]\['prompt_token_ids'\] must be a list of token ids, got str",
+        ),
+        ([{"prompt_token_ids": [1, "a"]}], p, TypeError, r"^prompts\[0\]: token ids must be ints"),
     ]:
         with pytest.raises(error, match=message):
             llm.generate(prompts, params)  # type: ignore[arg-type]
@@ -362,3 +378,17 @@ def test_special_tokens_are_dropped_from_the_text_unless_asked_for(smollm2_path:
     assert dropped.token_ids == kept.token_ids == [[im_start] * 2]
     assert dropped.texts == default.texts == [""]
     assert kept.texts == ["<|im_start|>" * 2]
+
+
+def test_vllm_s_prompt_dicts_are_the_prompts_they_hold(smollm2_path: Path) -> None:
+    """vLLM's LLM.generate takes {"prompt": text} and {"prompt_token_ids": ids} (its
+    TextPrompt and TokensPrompt) beside plain prompts; they were a TypeError here."""
+    p = pb.GenerationParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with OfflineLLM(str(smollm2_path)) as llm:
+        ids = llm.tokenizer.encode(PROMPTS[0])
+        plain = llm.generate([PROMPTS[0], ids], p)
+        dicts = llm.generate([{"prompt": PROMPTS[0]}, {"prompt_token_ids": ids}], p)
+        (one,) = llm.generate({"prompt_token_ids": ids}, p)  # one dict: one prompt
+    assert [c.prompt_token_ids for c in dicts] == [c.prompt_token_ids for c in plain] == [ids] * 2
+    assert [c.token_ids for c in dicts] == [c.token_ids for c in plain]
+    assert one.token_ids == plain[1].token_ids and len(one.token_ids[0]) == 3
