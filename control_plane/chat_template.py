@@ -15,6 +15,17 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hetero_common.limits import CONTENT_REQUIRED
 
+# Gemma 3's text template (system text folded into the first user turn, `model` role,
+# `<start_of_turn>`/`<end_of_turn>`), for a Gemma 3 GGUF that carries none (the bundled
+# `--model gemma3` file does not; every Gemma 3 model's HF tokenizer has this one).
+# Transcribed by hand (no hub access here) and checked against the copies of its
+# `chat_template` quoted in public code (the Berkeley function-calling leaderboard's Gemma
+# handler, onnxruntime-extensions' `GEMMA3_CHAT_TEMPLATE`): the same text but for how a
+# newline inside a string literal is written, and the same rendering of every
+# conversation tried; tests/control/test_chat_template_parity.py renders it as
+# transformers does.
+GEMMA3_TEMPLATE = Path(__file__).parent / "chat_templates" / "gemma3.jinja"
+
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (bad shape, or the template raised)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from control_plane.chat_template import render_chat
+from control_plane.chat_template import GEMMA3_TEMPLATE, render_chat
 from hetero_common import vocab
 from hetero_common.model_path import read_json_object
 
@@ -293,13 +293,16 @@ def _gemma_from_gguf(field: Any, tokens: list[str], types: list[int]) -> Tokeniz
     added = [i for i, t in enumerate(types) if t == 4 and i not in spaces]
     tok.add_tokens([AddedToken(pieces[i], normalized=False) for i in added])
     eos, bos = field("tokenizer.ggml.eos_token_id"), field("tokenizer.ggml.bos_token_id")
+    template = field("tokenizer.chat_template")
+    if not template and field("general.architecture") == "gemma3":
+        template = GEMMA3_TEMPLATE.read_text()  # (the bundled gemma3 file has none)
     return TokenizerWrapper(
         tok,
         byte_level=False,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
         add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
-        chat_template=field("tokenizer.chat_template"),
+        chat_template=template,
         special_ids=special,
     )
 

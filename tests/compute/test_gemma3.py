@@ -159,3 +159,34 @@ def test_served_through_the_three_planes(hf_tokenizer, hf_answers) -> None:  # t
             assert out.usage is not None and out.usage.prompt_tokens == len(ids)
             expected = hf_tokenizer.decode(answer[:24])  # greedy: 24 are the first of 32
             assert out.choices[0].text == expected, text
+        # The file has no chat template: the control plane serves Gemma 3's (it was a 400)
+        chat = client.chat.completions.create(
+            model=served, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
+        assert chat.usage is not None and chat.usage.prompt_tokens == len(
+            hf_tokenizer("<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n")[
+                "input_ids"
+            ]
+        )
+
+
+def test_chats_render_with_gemma_3_s_template(gguf: Path) -> None:
+    """The file carries no chat template, so OfflineLLM("gemma3").chat (and the served
+    /v1/chat/completions) failed 'this model has no chat template'; a Gemma 3 GGUF without
+    one gets Gemma 3's own (control_plane/chat_templates/gemma3.jinja)."""
+    from control_plane.tokenizer import load_tokenizer
+    from hetero_infer.offline import OfflineLLM
+    from hetero_proto import control_pb2 as pb
+
+    assert load_tokenizer(gguf).chat_template  # (the control plane serves it too)
+    p = pb.GenerationParams(max_tokens=4, ignore_eos=True)
+    with OfflineLLM("gemma3") as llm:
+        (c,) = llm.chat(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], p
+        )
+        rendered = llm.tokenizer.decode(c.prompt_token_ids)
+        assert (
+            rendered
+            == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+        )
+        assert len(c.token_ids[0]) == 4

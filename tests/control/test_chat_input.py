@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
-from control_plane.chat_template import ChatTemplateError, render_chat
+from control_plane.chat_template import GEMMA3_TEMPLATE, ChatTemplateError, render_chat
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.server import BIG_INPUT_BYTES, ControlServicer
@@ -263,7 +263,7 @@ def test_generate_without_a_compute_plane_is_refused_before_tokenising(
     assert reply.token_ids == tok.encode("Hi") and tokenised == ["text"]
 
 
-GEMMA3 = (Path(__file__).parents[1] / "data/chat_templates/google-gemma-3-it.jinja").read_text()
+GEMMA3 = GEMMA3_TEMPLATE.read_text()
 
 
 def _turn(role: str) -> dict[str, str]:

@@ -10,9 +10,21 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, models
 
-from control_plane.chat_template import ChatTemplateError, render_chat
+from control_plane.chat_template import GEMMA3_TEMPLATE, ChatTemplateError, render_chat
 
 TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
+
+
+def _template(name: str) -> str:
+    """A template of tests/data/chat_templates, or Gemma 3's, which the control plane
+    carries (the Gemma 3 GGUF has none)."""
+    return (
+        GEMMA3_TEMPLATE.read_text()
+        if name == GEMMA3_TEMPLATE.name
+        else (TEMPLATES / name).read_text()
+    )
+
+
 # (file, bos, eos, renders tools)
 CASES = [
     ("meta-llama-Llama-3.1-8B-Instruct.jinja", "<|begin_of_text|>", "<|eot_id|>", True),
@@ -20,7 +32,7 @@ CASES = [
     ("Qwen-Qwen2.5-7B-Instruct.jinja", "", "<|im_end|>", True),
     ("Qwen-Qwen3-0.6B.jinja", "", "<|im_end|>", True),
     ("HuggingFaceTB-SmolLM2-135M-Instruct.jinja", "<|im_start|>", "<|im_end|>", False),
-    ("google-gemma-3-it.jinja", "<bos>", "<eos>", False),
+    (GEMMA3_TEMPLATE.name, "<bos>", "<eos>", False),
     ("google-gemma-2-2b-it.jinja", "<bos>", "<eos>", False),
 ]
 TOOLS = [
@@ -74,7 +86,7 @@ def _hf(template: str, bos: str, eos: str):  # type: ignore[no-untyped-def]
 def _both(
     name: str, bos: str, eos: str, messages: list[dict[str, Any]], **kw: Any
 ) -> tuple[str, str]:
-    template = (TEMPLATES / name).read_text()
+    template = _template(name)
     hf = _hf(template, bos, eos)
     tools = kw.pop("tools", None)
     ours = render_chat(
@@ -157,7 +169,7 @@ def test_loopcontrols_tojson_arguments_and_errors() -> None:
     assert ours == theirs
     with pytest.raises(ChatTemplateError, match="alternate"):
         render_chat(
-            (TEMPLATES / "google-gemma-3-it.jinja").read_text(),
+            GEMMA3_TEMPLATE.read_text(),
             [{"role": "assistant", "content": "x"}],
             False,
             "<bos>",
@@ -197,4 +209,4 @@ def test_documents_and_custom_roles_render_as_transformers() -> None:
 )
 def test_a_tool_not_of_openais_shape_is_refused(name: str, tools: list[Any], index: int) -> None:
     with pytest.raises(ChatTemplateError, match=rf"tools\[{index}\] must be"):
-        render_chat((TEMPLATES / name).read_text(), CHATS["user"], True, "", "", tools)
+        render_chat(_template(name), CHATS["user"], True, "", "", tools)
