@@ -17,7 +17,7 @@ from hetero_common.limits import MAX_TEMPERATURE
 from hetero_common.logs import LOG_FORMATS, setup_logging
 from hetero_common.tracing import setup_tracing
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
-from hetero_infer.local import PlaneExited, die_with_parent
+from hetero_infer.local import PlaneExited, PortUnavailable, die_with_parent
 
 
 def _compute_plane(args: argparse.Namespace) -> int:
@@ -91,7 +91,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Compute plane, control plane and gateway as three processes on loopback."""
-    from hetero_infer.local import serve_stack
+    from hetero_infer.local import check_ports, serve_stack
 
     log_args: tuple[str, ...] = ("--log-level", args.log_level, "--log-format", args.log_format)
     if args.otlp_traces_endpoint:
@@ -136,6 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         compute_args += ["--draft-model", args.draft_model]
     if args.compute_planes > 1:
         _check_kv_caches(args.compute_planes, compute_args)
+    check_ports([("--port", args.host, args.port)])  # (the metrics ports: above)
     return serve_stack(
         args.model,
         args.host,
@@ -176,7 +177,7 @@ def _check_metrics_ports(port: int, compute: int, control: int, planes: int) -> 
             raise ValueError(f"{name} is port {p}, as {seen[p]} is")
         seen[p] = name
         if name == "--port":
-            continue  # (the gateway's, on --host: it names its own)
+            continue  # (the gateway's, on --host: check_ports tries it)
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the planes bind
             try:
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bad configuration or a missing model: one clear line, no traceback.
         print(f"hetero-infer: error: {e}", file=sys.stderr)
         return 2
-    except (PlaneExited, TimeoutError) as e:  # serve / generate: a plane did not start
+    except (PlaneExited, TimeoutError, PortUnavailable) as e:  # a plane did not / cannot start
         print(f"hetero-infer: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -131,6 +131,33 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in {span[0]}-{span[1]}")
 
 
+class PortUnavailable(OSError):
+    """A port serve was given cannot be listened on (in use, or not an address here)."""
+
+
+def check_ports(ports: list[tuple[str, str, int]]) -> None:
+    """Listen on each (flag, host, port) at once, as the planes will (SO_REUSEADDR, as
+    uvicorn and the metrics server bind), and let them go: PortUnavailable naming the
+    first that cannot be, before anything starts (a plane found out only once the
+    compute plane had loaded its model). Port 0 (any) and -1 (none) are skipped."""
+    with contextlib.ExitStack() as held:
+        for flag, host, port in ports:
+            if port <= 0:
+                continue
+            s = held.enter_context(
+                socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+            )
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                s.listen()
+            except OSError as e:
+                where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+                raise PortUnavailable(
+                    f"{flag} {port}: cannot listen on {where}: {e.strerror or e}"
+                ) from None
+
+
 def wait_serving(
     address: str,
     proc: subprocess.Popen[bytes],

@@ -151,6 +151,20 @@ def test_serve_refuses_a_bad_port_before_starting_anything() -> None:
     assert "compute_plane" not in r.stderr  # no plane logged a line
 
 
+def test_serve_refuses_a_port_in_use_before_starting_anything(taken_port: int) -> None:
+    # The gateway found it in use only once the compute plane had loaded its model: 'the
+    # gateway exited with status 3 before it was ready: its error is above'. Exit status
+    # 1, as a plane that cannot start (a metrics port in use is a usage error, below).
+    r = _run("serve", "--port", str(taken_port), timeout=30)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.endswith(
+        f"hetero-infer: error: --port {taken_port}: cannot listen on 127.0.0.1:{taken_port}: "
+        "Address already in use\n"
+    ), r.stderr
+    assert "compute_plane" not in r.stderr  # nothing started
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
