@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from control_plane.block_pool import Block, BlockPool, IntegrityError, chain_hash
+from control_plane.block_pool import (
+    ROOT_HASH,
+    Block,
+    BlockHash,
+    BlockPool,
+    IntegrityError,
+    chain_hashes,
+)
 from control_plane.request import Request
 
 
@@ -48,7 +55,7 @@ class BlockManager:
         # request no longer holds them.
         self._released: dict[str, int] = {}
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already indexed
-        self._last_hash: dict[str, int] = {}
+        self._last_hash: dict[str, BlockHash] = {}  # the key of each table's last indexed block
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
 
@@ -111,14 +118,13 @@ class BlockManager:
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
         hits: list[Block] = []
-        parent = 0
-        for i in range(max_blocks if self.pool.enable_caching else 0):
-            h, key = chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))
+        if not self.pool.enable_caching:
+            return hits
+        for key in chain_hashes(req.token_ids, bs, 0, max_blocks):
             block = self.pool.lookup(key)
             if block is None:
                 break
             hits.append(block)
-            parent = h
         return hits
 
     # ------------------------------------------------------------------ changes
@@ -149,7 +155,9 @@ class BlockManager:
             self.pool.share(prefix)
             table = self._tables[req.request_id] = list(prefix)
             self._num_hashed[req.request_id] = len(prefix)
-            self._last_hash[req.request_id] = prefix[-1].hash if prefix else 0
+            last = prefix[-1].key if prefix else ROOT_HASH
+            assert last is not None, "a prefix hit that is not in the prefix cache"
+            self._last_hash[req.request_id] = last
         new = self.pool.allocate(max(0, need)) or []
         table.extend(new)
         return [b.block_id for b in new]
@@ -166,12 +174,11 @@ class BlockManager:
         full = min(known // bs, len(table))
         if full <= done:
             return  # no block became full since the last call
-        parent = self._last_hash[rid]
-        for i in range(done, full):
-            parent, key = chain_hash(parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))
-            self.pool.cache(table[i], key, parent)
+        keys = list(chain_hashes(req.token_ids, bs, done, full, self._last_hash[rid]))
+        for block, key in zip(table[done:full], keys, strict=True):
+            self.pool.cache(block, key)
         self._num_hashed[rid] = full
-        self._last_hash[rid] = parent
+        self._last_hash[rid] = keys[-1]
 
     def fork(self, parent: Request, child: Request) -> int:
         """Share the parent's full computed blocks with `child` (n > 1); returns tokens shared.
@@ -189,7 +196,7 @@ class BlockManager:
         self.pool.share(shared)
         self._tables[child.request_id] = list(shared)
         self._num_hashed[child.request_id] = 0
-        self._last_hash[child.request_id] = 0
+        self._last_hash[child.request_id] = ROOT_HASH
         child.num_computed_tokens = n * self.block_size
         return child.num_computed_tokens
 

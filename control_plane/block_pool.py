@@ -11,16 +11,35 @@ ones to the back, so the prefixes used last survive longest (LRU).
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from hashlib import sha256
 
-BlockHash = tuple[int, tuple[int, ...]]  # (parent block's hash, this block's token ids)
+# A full block's prefix-cache key: SHA-256 of its parent block's key and its own token
+# ids. A key stands for the whole prefix up to the block's end, so it must be
+# collision-resistant: with an unkeyed 64-bit hash (Python's hash() of a tuple, which is
+# invertible step by step) a prompt searched for offline could take another prompt's
+# key, and a later request sharing only that key would attend to K/V computed from the
+# other prompt (vLLM's CVE-2025-25183). Nothing else decides a block's K/V here: one
+# model per compute plane, each plane its own pool, no adapters nor multimodal input.
+BlockHash = bytes
+ROOT_HASH: BlockHash = bytes(32)  # the parent of a prompt's first block
 
 
-def chain_hash(parent: int, tokens: tuple[int, ...]) -> tuple[int, BlockHash]:
-    """Hash of a full block given its parent's: equal only for equal whole prefixes."""
-    key = (parent, tokens)
-    return hash(key), key
+def chain_hashes(
+    token_ids: Sequence[int], block_size: int, start: int, stop: int, parent: BlockHash = ROOT_HASH
+) -> Iterator[BlockHash]:
+    """Keys of full blocks start..stop-1 of `token_ids`, `parent` being block start-1's
+    key: equal keys mean equal whole prefixes (a SHA-256 collision aside).
+    Each token is 8 bytes (int64), every block block_size tokens, so the bytes hashed
+    for a block are unambiguous; made lazily, so a lookup stops hashing at its miss."""
+    data = array("q", token_ids[start * block_size : stop * block_size]).tobytes()
+    width = 8 * block_size
+    for offset in range(0, len(data), width):
+        parent = sha256(parent + data[offset : offset + width]).digest()
+        yield parent
 
 
 class IntegrityError(RuntimeError):
@@ -32,7 +51,6 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     key: BlockHash | None = None  # set while the block is in the prefix-cache index
-    hash: int = 0
 
 
 class Blocks(dict[int, Block]):
@@ -98,10 +116,10 @@ class BlockPool:
                 if b.key is None:
                     self.free.move_to_end(b.block_id, last=False)
 
-    def cache(self, block: Block, key: BlockHash, h: int) -> None:
+    def cache(self, block: Block, key: BlockHash) -> None:
         """Index a full, computed block by its chained hash (first writer wins)."""
         if self.enable_caching and block.key is None and key not in self.cached:
-            block.key, block.hash = key, h
+            block.key = key
             self.cached[key] = block
 
     def num_free_among(self, blocks: list[Block]) -> int:

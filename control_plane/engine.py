@@ -17,7 +17,7 @@ import time
 import uuid
 
 from control_plane import metrics
-from control_plane.block_pool import BlockHash, chain_hash
+from control_plane.block_pool import BlockHash, chain_hashes
 from control_plane.compute_client import ComputeClient, ComputeLink
 from control_plane.config import ControlConfig
 from control_plane.grammar import GrammarError, Grammars
@@ -89,12 +89,7 @@ def _queue(sched: Scheduler, stream: GenerateStream) -> None:
 def prompt_keys(token_ids: list[int], block_size: int) -> list[BlockHash]:
     """The chain of full-block hashes of a prompt, as the prefix cache keys them (the
     last token is never a hit: it must be computed)."""
-    keys: list[BlockHash] = []
-    parent = 0
-    for i in range((len(token_ids) - 1) // block_size):
-        parent, key = chain_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
-        keys.append(key)
-    return keys
+    return list(chain_hashes(token_ids, block_size, 0, (len(token_ids) - 1) // block_size))
 
 
 class ControlEngine:

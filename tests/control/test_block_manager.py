@@ -104,6 +104,30 @@ def test_freed_cached_blocks_are_evicted_last_and_lose_their_hash() -> None:
     bm.check_integrity()
 
 
+def test_a_prefix_hit_needs_the_whole_prefix_not_a_hash_of_it() -> None:
+    """A block is found only under its whole prefix, never another prefix that hashes
+    alike. Keyed by (Python hash() of the parent's key, its tokens), a prompt searched
+    for offline (hash() is unkeyed, 64-bit and invertible step by step) could take a
+    system prompt's chain hash, and a victim's next block was then served the K/V the
+    attacker's prompt computed. Here ids equal modulo 2**61 - 1 (hash(n) is n modulo
+    that) make such a pair: the attacker's first block hashes as the system prompt's."""
+    twin = 5 + (2**61 - 1)
+    assert hash((0, (5, 1, 2, 3))) == hash((0, (twin, 1, 2, 3)))  # the old keys' collision
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    system = _req("system", [5, 1, 2, 3, 60])  # the shared system prompt is cached: block 1
+    _admit(bm, system)
+    _compute_all(bm, system)
+    attacker = _req("attacker", [twin, 1, 2, 3, 10, 11, 12, 13, 70])  # its blocks: 3, 4
+    _admit(bm, attacker)
+    _compute_all(bm, attacker)
+    assert bm.block_ids("attacker")[:2] == [3, 4]
+    victim = _req("victim", [5, 1, 2, 3, 10, 11, 12, 13, 80])
+    assert [b.block_id for b in bm.find_prefix(victim)] == [1]  # not [1, 4]
+    assert _admit(bm, victim) == [6, 7]
+    assert victim.num_computed_tokens == 4
+    bm.check_integrity()
+
+
 def test_fork_shares_full_blocks_only() -> None:
     bm = BlockManager(num_blocks=8, block_size=BS)
     parent = _req("p", list(range(10)))
