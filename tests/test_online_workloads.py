@@ -51,7 +51,8 @@ def test_summary_latencies_and_goodput_from_hand_made_samples() -> None:
     b = online.Sample(sent=1.0, first=4.0, done=4.4, chunk_times=[4.0, 4.4], tokens=3)
     c = online.Sample(sent=2.0, error="HTTP 503")
     work = [online.Request([1] * 10, 5), online.Request([1] * 20, 3), online.Request([1] * 7, 4)]
-    s = online.summarize([a, b, c], work, duration=5.0, waste=[0.02, 0.04], slo=(2000.0, 600.0))
+    kv = online.KvSamples(waste=[0.02, 0.04])
+    s = online.summarize([a, b, c], work, duration=5.0, kv=kv, slo=(2000.0, 600.0))
     assert (s["requests"], s["completed"], s["errors"]) == (3, 2, ["HTTP 503"])
     assert s["ttft_ms"]["mean"] == 1750.0  # (500 + 3000) / 2
     assert s["tpot_ms"]["mean"] == 350.0  # (2000 / 4 + 400 / 2) / 2
@@ -61,6 +62,7 @@ def test_summary_latencies_and_goodput_from_hand_made_samples() -> None:
     assert s["total_token_throughput"] == 7.6  # + 30 prompt tokens of the completed two
     assert s["goodput"] == 0.2  # only a meets TTFT <= 2 s and TPOT <= 600 ms
     assert s["kv_waste"] == {"mean": 0.03, "max": 0.04, "samples": 2}
+    assert s["kv_waste_error"] is None
 
 
 @pytest.mark.slow
