@@ -300,10 +300,13 @@ def test_a_stopped_control_plane_ends_an_idle_gateway_call_at_once(tmp_path: Pat
                 cproc.send_signal(signal.SIGTERM)
                 with pytest.raises(grpc.RpcError) as ended:
                     next(call)
+                # The call's end is timed, not the process's exit (interpreter shutdown
+                # under a loaded CI machine took the old bound, 0.8 s, past itself).
+                took = time.monotonic() - sent
                 assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert ended.value.details() == "the control plane stopped"
+                assert took < 0.9, took  # was the 1 s stop grace, then a cancel
                 assert cproc.wait(timeout=DRAIN + 15) == 0
-                assert time.monotonic() - sent < 0.8  # was 1.05 s
         finally:
             done.set()
             stop_process(cproc)
