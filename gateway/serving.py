@@ -388,13 +388,21 @@ class Serving(Generic[Body]):
         include_usage = bool(opts and opts.include_usage)
         # vLLM: usage on every chunk only when the final usage is asked for too.
         continuous = include_usage and bool(opts and opts.continuous_usage_stats)
+        # The chunks before the deltas (a chat's role chunks). With usage on every chunk
+        # they wait for the first token, as vLLM sends them: the prefix cache's hit is
+        # known only once the prompt is scheduled, and they would report 0 cached tokens
+        # where the chunks after them report the hit.
+        head: list[dict[str, Any]] = []
         try:
             async for deltas, usage, prompt_ids, cached in stream:
                 if prompt_ids is not None:
                     call.prompt_ids = prompt_ids
-                    for k, choice in enumerate(await self.head(call, prompt_ids)):
+                    head = await self.head(call, prompt_ids)
+                if head and (not continuous or deltas or usage is not None):
+                    for k, choice in enumerate(head):
                         live = self.live_usage(call, cached) if continuous else None
                         yield sse(self.chunk(call, [choice], live, first=k == 0))
+                    head = []
                 for d in deltas:
                     call.num_generated += len(d.choice.token_ids)
                     prompt = d.index // body.n

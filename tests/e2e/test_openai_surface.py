@@ -196,8 +196,9 @@ def _stream_usages(http: httpx.Client, path: str, body: dict[str, Any]) -> list[
 
 def test_continuous_usage_counts_cached_tokens(model: str, http: httpx.Client) -> None:
     """Every usage object of a stream carries prompt_tokens_details, its cached_tokens the
-    prefix cache's hit from a prompt's first token on (the final usage's): it came on the
-    final one only. Chat and completions, n 1 (packed deltas) and 2."""
+    prefix cache's hit (the final usage's): it came on the final one only. A chat's role
+    chunks too: they said 0, sent before the hit was known. Chat and completions, n 1
+    (packed deltas) and 2."""
     text = "A prompt of a few blocks, streamed twice with usage on every chunk: " * 3
     opts = {"include_usage": True, "continuous_usage_stats": True}
     common = {"model": model, "max_tokens": 4, "stream_options": opts, "ignore_eos": True}
@@ -215,7 +216,9 @@ def test_continuous_usage_counts_cached_tokens(model: str, http: httpx.Client) -
             counted = [u for u in usages if u["completion_tokens"]]
             assert counted[-1]["completion_tokens"] == 4 * n
             details = final["prompt_tokens_details"]
-            assert all(u["prompt_tokens_details"] == details for u in counted)
+            assert all(u["prompt_tokens_details"] == details for u in usages), (path, n, usages)
+            if path == "/v1/chat/completions":  # the role chunks (one per choice) came first
+                assert [u["completion_tokens"] for u in usages[:n]] == [0] * n, usages
 
 
 def test_chat_echo_continue_and_template_kwargs(
