@@ -559,13 +559,14 @@ class ControlEngine:
         stream.span.end()
         reason = Status.FINISHED_ABORTED.value
         metrics.request_success.labels(finished_reason=reason, **self.labels).inc()
-        # Tokens held back by --stream-interval were generated: interval 1 counted them.
-        if held := self.outputs.drop_held_back(stream):
-            metrics.generation_tokens.labels(**self.labels).inc(held)
         self._end_choices(stream)
 
     def _end_choices(self, stream: GenerateStream) -> None:
-        """Abort a removed stream's unfinished choices on its plane (blocks freed now)."""
+        """Abort a removed (aborted or failed) stream's unfinished choices on its plane
+        (blocks freed now)."""
+        # Tokens held back by --stream-interval were generated: interval 1 counted them.
+        if held := self.outputs.drop_held_back(stream):
+            metrics.generation_tokens.labels(**self.labels).inc(held)
         plane = stream.plane
         self._unsettle(stream)
         if plane is None:

@@ -12,9 +12,9 @@ from prometheus_client import REGISTRY
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine
 from compute_plane.loader import load_model
-from control_plane.compute_client import InProcessLink
+from control_plane.compute_client import ComputeLinkError, InProcessLink
 from control_plane.config import ControlConfig
-from control_plane.engine import ControlEngine
+from control_plane.engine import ControlEngine, RequestFailed
 from control_plane.scheduler import AdmissionError, QueueFullError
 from control_plane.tokenizer import load_tokenizer
 from hetero_proto import compute_pb2 as cpb
@@ -121,6 +121,52 @@ def test_counters_read_zero_before_their_first_event(smollm2_path: Path, tmp_pat
             labels["compute"] = link.address
             for name in ("preemptions", "prefix_cache_queries", "prefix_cache_hits"):
                 assert REGISTRY.get_sample_value(f"hetero_{name}_total", labels) == 0, name
+        finally:
+            await control.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_requests_held_back_tokens_count_as_generated(smollm2_path: Path) -> None:
+    """A request that fails mid-stream (here: in flight each of the 2 times the compute
+    plane crashed) counts every token it generated in hetero_generation_tokens_total, as
+    an aborted one does: those --stream-interval still held back were not counted."""
+
+    async def main() -> None:
+        engine = Engine(
+            ComputeConfig(model=str(smollm2_path), kv_cache_bytes=16 << 20, metrics_port=-1),
+            load_model(smollm2_path, progress=False),
+        )
+        crashing = False
+
+        def answer(step: cpb.StepRequest) -> cpb.StepResult:
+            if crashing:
+                engine.reset(failed=True)
+                raise ComputeLinkError("the compute plane died")  # as a crashed process looks
+            return engine.step(step)
+
+        link = InProcessLink(engine.describe, answer, on_attach=engine.reset)
+        config = ControlConfig(model=str(smollm2_path), metrics_port=-1, stream_interval=8)
+        control = ControlEngine(config, load_tokenizer(smollm2_path), link, "held-back-failed")
+        await control.start()
+        labels = {"model_name": "held-back-failed"}
+        try:
+            await control.attached.wait()
+            long = pb.GenerationParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = control.submit([504, 3458, 281], long)
+            choice = stream.choices[0]
+            while len(choice.pending) < 3:  # the first token sent, the next ones held
+                await asyncio.sleep(0.005)
+            crashing = True
+            sent = 0
+            while not isinstance(item := await stream.queue.get(), BaseException):
+                sent += sum(len(c.token_ids) for c in item.choices)
+            assert isinstance(item, RequestFailed), item
+            generated = choice.request.num_output_tokens
+            assert generated > sent  # some were held back when it failed
+            counted = REGISTRY.get_sample_value("hetero_generation_tokens_total", labels)
+            assert counted == generated
         finally:
             await control.stop()
 
