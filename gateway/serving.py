@@ -632,7 +632,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
         out: list[dict[str, Any]] = []
         text = st.feed(c.text)
         if c.finish_reason:
-            text += st.finish()
+            text += st.finish(cut=tool_calls.cut_short(c.finish_reason, stop_reason(c)))
         lp = chat_logprobs(list(c.logprobs)) if body.logprobs and c.logprobs else None
 
         def chunk(delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
@@ -674,6 +674,7 @@ class ChatServing(Serving[ChatCompletionRequest]):
             if names is not None:
                 parallel, forced = body.parallel_tool_calls, tool_calls.forced(body) is not None
                 content, calls = tool_calls.parse(st.text, names, parallel)
+                cut = tool_calls.cut_short(st.finish_reason, st.stop_reason)
                 if calls:
                     if content is None and forced:
                         content = ""  # a forced call has no text (vLLM answers "")
@@ -681,8 +682,13 @@ class ChatServing(Serving[ChatCompletionRequest]):
                     reason = "tool_calls" if reason == "stop" else reason
                 elif forced:  # cut short (max_tokens): what it got to, no markup as content
                     message = {"role": "assistant", "content": ""}
-                    if cut := tool_calls.cut_calls(st.text, names, parallel):
-                        message["tool_calls"] = cut
+                    if cut_calls := tool_calls.cut_calls(st.text, names, parallel):
+                        message["tool_calls"] = cut_calls
+                elif cut and (found := tool_calls.cut_auto(st.text, names, parallel)):
+                    content, calls = found  # (the same rule, auto: the text before the call)
+                    message = {"role": "assistant", "content": content}
+                    if calls:
+                        message["tool_calls"] = calls
             choice = {
                 "index": i,
                 "message": message,

@@ -15,6 +15,7 @@ function's parameters schema: `<tool_call>[{"name": ..., "arguments": {...}}, ..
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ import llguidance
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest, NamedToolChoice, Tool
 from hetero_common.grammar_errors import readable
+from hetero_proto import control_pb2 as pb
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -142,33 +144,114 @@ def cut_calls(text: str, names: set[str], parallel: bool = True) -> list[dict[st
     stop string): those written whole, then the one being written, its `arguments` as far
     as they got (OpenAI's are text, then not JSON: the client sees how far it got, as
     OpenAI and vLLM give a call cut short) once its name is known (the text may hold a
-    prefix of one name alone). The text is a prefix of `grammar`'s language."""
-    calls = _cut_calls(text, names)
+    prefix of one name alone: the grammar allows no other). The text is a prefix of
+    `grammar`'s language."""
+    found = _cut(text, names, guess=True)
+    calls = found[1] if found is not None else []
     return calls if parallel else calls[:1]
 
 
-def _cut_calls(text: str, names: set[str]) -> list[dict[str, Any]]:
-    start, head = OPEN + "[", '{"name": "'
-    if not text.startswith(start):
-        return []
-    rest, calls = text[len(start) :], list[dict[str, Any]]()
-    while rest and not rest.startswith("]"):
+def cut_short(finish_reason: int, stop_reason: str | int | None) -> bool:
+    """A choice ended by max_tokens or a stop string, which may end it inside a tool call
+    (EOS or a stop token is the model ending its turn: what it wrote is its answer)."""
+    return finish_reason == pb.FINISH_REASON_LENGTH or isinstance(stop_reason, str)
+
+
+def cut_auto(
+    text: str, names: set[str], parallel: bool = True
+) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """tool_choice auto: a text that max_tokens or a stop string ended inside a tool call,
+    as `cut_calls` takes a forced one: (the content before the call, the calls written so
+    far, the last one's `arguments` as far as they got once its whole name is known).
+    The text is inside a call from a whole `<tool_call>` on, or when it is a Llama 3 JSON
+    call whose name is written whole. None when it is no call (a call that names no given
+    tool, text after a finished block): the text stays content, as `parse` leaves it."""
+    found = _cut(text, names, guess=False)
+    if found is None:
+        return None
+    head, calls = found
+    return (head if head.strip() else None), calls if parallel else calls[:1]
+
+
+# The head of a call object being written: its name (whole when the quote closes it) and
+# the key of its arguments.
+_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
+_ARGS = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def _cut(text: str, names: set[str], guess: bool) -> tuple[str, list[dict[str, Any]]] | None:
+    """(text before the calls, the calls of a text cut inside them), or None when it holds
+    no call to these tools. `guess`: a name cut short is the one tool it can be."""
+    if (at := text.find(OPEN)) >= 0:
+        calls: list[dict[str, Any]] = []
+        rest = text[at:]
+        while rest.startswith(OPEN):
+            body, close, rest = rest[len(OPEN) :].partition(CLOSE)
+            if not close:  # the block being written
+                more = _cut_items(body, names, guess)
+                return None if more is None else (text[:at], calls + more)
+            found = _parse_block(body, names)
+            if found is None:
+                return None
+            calls += found
+            rest = rest.lstrip()
+        # Past whole blocks: only the start of another block (or of its tag) may follow.
+        return (text[:at], calls) if OPEN.startswith(rest) else None
+    bare = text.strip().removeprefix(PYTHON_TAG).lstrip()
+    if not bare.startswith(("{", "[")) or guess:
+        return None
+    items = _cut_items(bare, names, guess)
+    return ("", items) if items else None
+
+
+def _parse_block(body: str, names: set[str]) -> list[dict[str, Any]] | None:
+    try:
+        return _calls(json.loads(body), names)
+    except json.JSONDecodeError:
+        return None
+
+
+def _cut_items(body: str, names: set[str], guess: bool) -> list[dict[str, Any]] | None:
+    """The calls of a block's text cut short: a call object, or a list of them, the last
+    cut; None when a call names no given tool or the text is not call objects."""
+    rest = body.lstrip()
+    listed = rest.startswith("[")
+    rest = rest[1:] if listed else rest
+    calls: list[dict[str, Any]] = []
+    while True:
+        rest = rest.lstrip()
+        if (listed and rest.startswith("]")) or CLOSE.startswith(rest):  # (cut in its end)
+            return calls
         try:
             obj, end = _DECODER.raw_decode(rest)
         except json.JSONDecodeError:
             break  # the call being written
         if (call := _call(obj, names)) is None:
-            return calls
+            return calls if guess else None
         calls.append(call)
-        rest = rest[end:].removeprefix(", ")
-    if not rest.startswith(head):
+        rest = rest[end:].lstrip()
+        if listed and rest.startswith(","):
+            rest = rest[1:]
+        elif not ((listed and rest.startswith("]")) or CLOSE.startswith(rest)):
+            return calls if guess else None  # (one object a block, or a list of them)
+    if not rest.startswith("{"):
+        return calls if guess else None
+    m = _NAME.match(rest)
+    if m is None:  # its name not begun
         return calls
-    name, quote, after = rest[len(head) :].partition('"')
-    known = [name] if quote else [n for n in names if n.startswith(name)]
-    if len(known) == 1 and known[0] in names:
-        args = after.removeprefix(', "arguments": ') if after.startswith(', "arguments": ') else ""
-        call = {"name": known[0], "arguments": args}
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call})
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except json.JSONDecodeError:  # cut inside an escape
+        return calls
+    known = [name] if m.group(2) else [n for n in names if guess and n.startswith(name)]
+    if len(known) != 1:
+        return calls
+    if known[0] not in names:
+        return calls if guess else None
+    args = _ARGS.match(rest, m.end())
+    arguments = rest[args.end() :] if args is not None else ""
+    call = {"name": known[0], "arguments": arguments}
+    calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": call})
     return calls
 
 
@@ -225,7 +308,7 @@ class ToolStream:
     sent: int = 0  # characters of `text` streamed as content
     holding: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)
-    cut: bool = False  # the calls are those of a forced call cut short (cut_calls)
+    cut: bool = False  # the calls are those of a call cut short (cut_calls, cut_auto)
 
     def feed(self, delta: str) -> str:
         """The content to stream now."""
@@ -251,14 +334,17 @@ class ToolStream:
         self.sent += len(out)
         return out
 
-    def finish(self) -> str:
-        """At the end: the calls (in `calls`), and what is left of the content."""
+    def finish(self, cut: bool = False) -> str:
+        """At the end: the calls (in `calls`), and what is left of the content. `cut`: the
+        choice was ended by max_tokens or a stop string (a call may be cut short)."""
         rest = self.text[self.sent :]
         content, self.calls = parse(rest, self.names, self.parallel)
         if not self.calls and self.forced:  # cut short: no markup as content
             self.calls, self.cut = cut_calls(rest, self.names, self.parallel), True
             return ""
-        if self.calls:
+        if not self.calls and cut and (found := cut_auto(rest, self.names, self.parallel)):
+            (content, self.calls), self.cut = found, True  # (maybe no call named yet)
+        if self.calls or self.cut:
             # Content before the block went out already; what parse kept is the head.
             return (content or "") if self.sent == 0 else ""
         return rest

@@ -221,6 +221,57 @@ def test_continuous_usage_counts_cached_tokens(model: str, http: httpx.Client) -
                 assert [u["completion_tokens"] for u in usages[:n]] == [0] * n, usages
 
 
+def test_an_auto_tool_call_cut_by_max_tokens_is_its_call_so_far(
+    client: openai.OpenAI, model: str, http: httpx.Client
+) -> None:
+    """tool_choice auto, the model's call cut by max_tokens (the answer pinned by a regex:
+    the bundled 135M model calls no tool on its own): finish_reason length, the text before
+    the call as content, the call with its arguments as far as they got (as OpenAI returns
+    a truncated call and vLLM streams one); the raw call text was the content. Streamed
+    alike."""
+    tools: Any = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    answer = 'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    answer += "\n</tool_call>"
+    kw: Any = {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": tools,
+        "tool_choice": "auto",
+        "temperature": 0,
+        "extra_body": {"guided_regex": re.escape(answer), "return_token_ids": True},
+    }
+    whole = client.chat.completions.create(max_tokens=100, **kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
+    ids = (whole.model_extra or {})["token_ids"]
+
+    def text(n: int) -> str:
+        return str(http.post("/detokenize", json={"tokens": ids[:n]}).json()["prompt"])
+
+    # The fewest tokens that reach into the arguments: the answer cut there.
+    cut = next(n for n in range(len(ids)) if '"arguments": {"ci' in text(n))
+    head, _, args = text(cut).partition('<tool_call>\n{"name": "get_weather", "arguments": ')
+    r = client.chat.completions.create(max_tokens=cut, **kw).choices[0]
+    assert r.finish_reason == "length"
+    assert r.message.content == head == "Let me check. "
+    got = [(c.function.name, c.function.arguments) for c in r.message.tool_calls or []]  # type: ignore[union-attr]
+    assert got == [("get_weather", args)] and '{"city": "Paris"}'.startswith(args)
+    chunks = [
+        c.choices[0] for c in client.chat.completions.create(max_tokens=cut, stream=True, **kw)
+    ]
+    assert "".join(c.delta.content or "" for c in chunks) == head
+    deltas = [tc for c in chunks for tc in c.delta.tool_calls or []]
+    assert [(tc.function.name, tc.function.arguments) for tc in deltas] == got  # type: ignore[union-attr]
+    assert chunks[-1].finish_reason == "length"
+
+
 def test_chat_echo_continue_and_template_kwargs(
     client: openai.OpenAI, model: str, http: httpx.Client
 ) -> None:

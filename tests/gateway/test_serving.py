@@ -356,6 +356,47 @@ def test_a_forced_call_cut_short_is_its_calls_so_far_not_markup(
 
 
 @pytest.mark.parametrize(
+    ("pieces", "content", "args"),
+    [
+        (
+            ["Sure. ", TWO_CALLS[0], '{"name": "add", "arguments": {"a'],
+            "Sure. ",
+            ['{"a": 1}', '{"a'],
+        ),
+        (['<tool_call>\n{"name": "add", "arguments": {"a": '], None, ['{"a": ']),
+        (['Sure. <tool_call>[{"name": "ad'], "Sure. ", []),
+    ],
+)
+def test_an_auto_call_cut_short_is_its_calls_so_far_as_a_forced_one(
+    client: TestClient, link: FakeLink, pieces: list[str], content: str | None, args: list[str]
+) -> None:
+    """tool_choice auto, the model's call cut by max_tokens: finish_reason length, the text
+    before the call as content, the calls written so far (the last one's arguments as far
+    as they got, as OpenAI returns a truncated call), never the call's markup as content
+    (it was: the raw text); streamed alike."""
+    link.mux.pieces = pieces
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "1 + 1, 2 + 2?"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+    }
+    (choice,) = client.post("/v1/chat/completions", json=body).json()["choices"]
+    message = choice["message"]
+    assert choice["finish_reason"] == "length" and message["content"] == content
+    calls = message.get("tool_calls", [])
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("add", a) for a in args
+    ]
+    streamed = _events(client.post("/v1/chat/completions", json=body | {"stream": True}).text)
+    chunks = [c["choices"][0] for c in streamed if c["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == (content or "")
+    deltas = [tc for c in chunks for tc in c["delta"].get("tool_calls", [])]
+    assert [tc["function"]["arguments"] for tc in deltas] == args
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
     ("parameters", "needle"),
     [
         ({"type": "object", "properties": []}, '[] is not of type "object" (at properties)'),

@@ -261,3 +261,92 @@ def test_a_forced_schema_too_deep_to_compile_names_no_position_in_json_we_wrote(
         tool_calls.check(body)
     assert e.value.param == "tools.0.function.parameters"
     assert "nested too deeply" in e.value.message and "column" not in e.value.message
+
+
+AUTO_CUT = [
+    (  # Hermes / Qwen: text, then a block cut inside its arguments
+        'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        "Let me check. ",
+        [("get_weather", '{"city": "Par')],
+    ),
+    (  # a whole block, then one cut
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"ci',
+        None,
+        [("add", '{"a": 1}'), ("get_weather", '{"ci')],
+    ),
+    (  # SmolLM2's list, cut in the second call's name: not known yet, so no second call
+        '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_wea',
+        None,
+        [("add", '{"a": 1, "b": 2}')],
+    ),
+    ('<tool_call>\n{"name": "add", "arguments": {}}\n</tool', None, [("add", "{}")]),
+    ('<tool_call>[{"name": "add", "argu', None, [("add", "")]),
+    ('Hmm. <tool_call>{"na', "Hmm. ", []),  # the call's markup is no content
+    ("\n<tool_call>", None, []),
+    (  # Llama 3 JSON, its name whole
+        '{"name": "get_weather", "parameters": {"city": "Ro',
+        None,
+        [("get_weather", '{"city": "Ro')],
+    ),
+]
+# Cut texts that are no call: they stay content, as parse leaves them.
+AUTO_NOT_CALLS = [
+    "The weather in Paris is",
+    "Let me see <tool_ca",
+    '{"answer": 4',
+    '{"name": "get_wea',  # (bare JSON: nothing says it is a call before its name is whole)
+    '{"name": "unknown_fn", "arguments": {"a',
+    '<tool_call>{"name": "unknown_fn", "arguments": {',
+    "<tool_call>hello there",
+    '<tool_call>{"name": "add", "arguments": {}}</tool_call> and th',
+    '<tool_call>{"name": "add", "arguments": {}} {"name": "add"',
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), AUTO_CUT)
+def test_an_auto_call_cut_short_is_its_calls_so_far(
+    text: str,
+    content: str | None,
+    calls: list,  # type: ignore[type-arg]
+) -> None:
+    """tool_choice auto, the choice ended by max_tokens or a stop string inside a call: as a
+    forced call, the calls written so far, the last one's arguments as far as they got
+    (OpenAI's truncated call), the markup never content; the text before it is content."""
+    assert tool_calls.parse(text, NAMES)[1] == []  # (no whole call)
+    found = tool_calls.cut_auto(text, NAMES)
+    assert found is not None
+    got_content, got = found
+    assert got_content == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in got)
+    one = tool_calls.cut_auto(text, NAMES, parallel=False)
+    assert one is not None and [c["function"] for c in one[1]] == [c["function"] for c in got[:1]]
+    for cut in range(1, 8):  # streamed in pieces: the same content and calls
+        stream = tool_calls.ToolStream(NAMES)
+        pieces = [text[k : k + cut] for k in range(0, len(text), cut)]
+        streamed = "".join(stream.feed(p) for p in pieces) + stream.finish(cut=True)
+        assert streamed == (content or "")
+        assert [c["function"] for c in stream.calls] == [c["function"] for c in got]
+        assert stream.cut
+
+
+@pytest.mark.parametrize("text", AUTO_NOT_CALLS)
+def test_an_auto_text_cut_short_that_is_no_call_stays_content(text: str) -> None:
+    assert tool_calls.cut_auto(text, NAMES) is None
+    stream = tool_calls.ToolStream(NAMES)
+    streamed = "".join(stream.feed(text[k : k + 3]) for k in range(0, len(text), 3))
+    assert streamed + stream.finish(cut=True) == text and stream.calls == []
+
+
+def test_only_max_tokens_or_a_stop_string_cut_a_call_short() -> None:
+    """EOS or a stop token is the model ending its turn: a call it left unfinished is text."""
+    from hetero_proto import control_pb2 as pb
+
+    assert tool_calls.cut_short(pb.FINISH_REASON_LENGTH, None)
+    assert tool_calls.cut_short(pb.FINISH_REASON_STOP, "\n\n")
+    assert not tool_calls.cut_short(pb.FINISH_REASON_STOP, 2)
+    assert not tool_calls.cut_short(pb.FINISH_REASON_STOP, None)
+    text = AUTO_CUT[0][0]
+    stream = tool_calls.ToolStream(NAMES)
+    assert stream.feed(text) + stream.finish(cut=False) == text and stream.calls == []
