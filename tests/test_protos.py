@@ -41,3 +41,17 @@ def test_services_are_declared() -> None:
     }
     many = control.methods_by_name["GenerateMany"]
     assert many.client_streaming and many.server_streaming
+
+
+def test_tokenize_add_special_tokens_stays_false_when_unset() -> None:
+    """vLLM's /tokenize adds special tokens unless told not to; the gRPC field cannot take
+    that default compatibly: proto3 writes no bytes for a false bool, so a message from a
+    client built before a change to `optional` with "unset: true" (an older gateway in a
+    rolling update, asked for add_special_tokens false) reads as unset, i.e. true.
+    docs/protocol.md says so; the gateway's /tokenize has vLLM's defaults."""
+    from hetero_proto import control_pb2 as pb
+
+    field = pb.TokenizeRequest.DESCRIPTOR.fields_by_name["add_special_tokens"]
+    assert not field.has_presence  # (a plain bool: false when unset)
+    explicit = pb.TokenizeRequest(text="x", add_special_tokens=False).SerializeToString()
+    assert explicit == pb.TokenizeRequest(text="x").SerializeToString()
