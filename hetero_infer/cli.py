@@ -8,7 +8,6 @@ import atexit
 import functools
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -155,7 +154,7 @@ def _check_metrics_ports(port: int, compute: int, control: int, planes: int) -> 
     must be a port, no other port of the stack, and free (a plane that could not bind its
     own stopped the stack once the others had loaded, naming its --metrics-port)."""
     from hetero_common.cpus import usable_cpus
-    from hetero_infer.local import compute_metrics_ports
+    from hetero_infer.local import compute_metrics_ports, listener
 
     if not 1 <= planes <= usable_cpus():
         return  # (local_planes names --compute-planes)
@@ -178,12 +177,10 @@ def _check_metrics_ports(port: int, compute: int, control: int, planes: int) -> 
         seen[p] = name
         if name == "--port":
             continue  # (the gateway's, on --host: check_ports tries it)
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the planes bind
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError as e:
-                raise ValueError(f"{name}: port {p} is not free ({e.strerror or e})") from None
+        try:
+            listener("127.0.0.1", p).close()  # (the planes' metrics listen on loopback)
+        except OSError as e:
+            raise ValueError(f"{name}: port {p} is not free ({e.strerror or e})") from None
 
 
 def _check_kv_caches(planes: int, compute_args: list[str]) -> None:

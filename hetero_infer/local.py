@@ -135,22 +135,33 @@ class PortUnavailable(OSError):
     """A port serve was given cannot be listened on (in use, or not an address here)."""
 
 
+def listener(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port as a plane will listen there (SO_REUSEADDR, as
+    uvicorn, gRPC and the metrics server bind): the one test that a port serve was given
+    is free, for every flag that names one. OSError when it cannot be; the caller closes
+    it (letting the port go)."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen()
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 def check_ports(ports: list[tuple[str, str, int]]) -> None:
-    """Listen on each (flag, host, port) at once, as the planes will (SO_REUSEADDR, as
-    uvicorn and the metrics server bind), and let them go: PortUnavailable naming the
-    first that cannot be, before anything starts (a plane found out only once the
-    compute plane had loaded its model). Port 0 (any) and -1 (none) are skipped."""
+    """Listen on each (flag, host, port) at once (`listener`) and let them go:
+    PortUnavailable naming the first that cannot be, before anything starts (a plane found
+    out only once the compute plane had loaded its model). Port 0 (any) and -1 (none) are
+    skipped."""
     with contextlib.ExitStack() as held:
         for flag, host, port in ports:
             if port <= 0:
                 continue
-            s = held.enter_context(
-                socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            )
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind((host, port))
-                s.listen()
+                held.enter_context(listener(host, port))
             except OSError as e:
                 where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
                 raise PortUnavailable(

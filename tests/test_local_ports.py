@@ -50,3 +50,23 @@ def test_a_stopped_plane_is_given_its_whole_drain_before_it_is_killed() -> None:
 
     drain = {f.name: f.default for f in dataclasses.fields(ServerConfig)}["drain_timeout"]
     assert drain < local.STOP_TIMEOUT
+
+
+def test_listener_listens_and_names_a_port_in_use() -> None:
+    """The one check behind serve's --port (check_ports) and its metrics ports: a port
+    another socket listens on is EADDRINUSE; a free one accepts a connection until the
+    listener is closed, after which it binds again."""
+    import errno
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(OSError) as e:
+            local.listener("127.0.0.1", busy)
+        assert e.value.errno == errno.EADDRINUSE
+    port = local.free_port()
+    with local.listener("127.0.0.1", port), socket.create_connection(("127.0.0.1", port)):
+        pass
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
