@@ -65,10 +65,11 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def check_kv_budget(budget: int, planes: int = 1) -> None:
-    """ValueError naming --kv-cache-bytes when `budget` bytes (for each of `planes` compute
-    planes on this machine: `serve --compute-planes`) are more than this process has
-    available (nothing when that is unknown)."""
+def check_kv_budget(budget: int, planes: int = 1, weights: int = 0) -> None:
+    """ValueError naming --kv-cache-bytes when `budget` bytes and `weights` bytes (for each
+    of `planes` compute planes on this machine: `serve --compute-planes`; `weights`: an
+    estimate of the model's in memory, 0 where it is loaded already) are more than this
+    process has available (nothing when that is unknown)."""
     sources = {
         "MemAvailable in /proc/meminfo": mem_available(),
         "what the cgroup's memory limit leaves": cgroup_memory_left(),
@@ -77,17 +78,28 @@ def check_kv_budget(budget: int, planes: int = 1) -> None:
     if not known:
         return
     what, available = min(known.items(), key=lambda item: item[1])
-    total = budget * planes
-    if total > available:
-        asked, lower = f"--kv-cache-bytes {budget} ({_gib(budget)})", "--kv-cache-bytes"
-        if planes > 1:
-            asked = f"--compute-planes {planes} x {asked} = {total} bytes ({_gib(total)})"
-            lower += " or --compute-planes"
-        raise ValueError(
-            f"{asked} is more than the memory available, "
-            f"{available} bytes ({_gib(available)}: {what}); the OOM killer would end the "
-            f"compute plane as the cache fills: lower {lower}"
-        )
+    total = (budget + weights) * planes
+    if total <= available:
+        return
+    asked = f"--kv-cache-bytes {budget} ({_gib(budget)})"
+    if weights:
+        estimate = "the model files' size, an estimate"
+        asked += f" + the weights, ~{weights} bytes ({_gib(weights)}: {estimate})"
+    if planes > 1:
+        asked = f"--compute-planes {planes} x " + (f"({asked})" if weights else asked)
+    if planes > 1 or weights:
+        asked += f" = {total} bytes ({_gib(total)})"
+    if weights * planes >= available:  # no --kv-cache-bytes fits
+        fewer = " or fewer --compute-planes" if planes > 1 else ""
+        outcome, remedy = "as it loads", f"the weights alone do not fit: a smaller model{fewer}"
+    else:
+        more = " or --compute-planes" if planes > 1 else ""
+        outcome, remedy = "as the cache fills", f"lower --kv-cache-bytes{more}"
+    raise ValueError(
+        f"{asked} is more than the memory available, "
+        f"{available} bytes ({_gib(available)}: {what}); the OOM killer would end the "
+        f"compute plane {outcome}: {remedy}"
+    )
 
 
 def _gib(n: int) -> str:

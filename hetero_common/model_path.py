@@ -116,6 +116,15 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
+def weights_bytes(path: Path) -> int:
+    """The size of a resolved model's weight files: the .gguf file, or a folder's
+    *.safetensors. An estimate of the memory its weights take once loaded (about that with
+    a GGUF's matrices kept quantized; more where they are dequantized or cast wider)."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    return path.stat().st_size
+
+
 def model_display_name(path: Path) -> str:
     """Name used in Describe / ModelInfo / the OpenAI `model` field."""
     if path.is_file():

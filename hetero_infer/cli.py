@@ -133,8 +133,8 @@ def _serve(args: argparse.Namespace) -> int:
         compute_args += ["--max-speculative-tokens", k]
     if args.draft_model:
         compute_args += ["--draft-model", args.draft_model]
-    if args.compute_planes > 1:
-        _check_kv_caches(args.compute_planes, compute_args)
+    if args.compute_planes > 1:  # (one checks its own KV cache once its weights are in)
+        _check_memory(args.model, args.compute_planes, compute_args)
     check_ports([("--port", args.host, args.port)])  # (the metrics ports: above)
     return serve_stack(
         args.model,
@@ -183,19 +183,29 @@ def _check_metrics_ports(port: int, compute: int, control: int, planes: int) -> 
             raise ValueError(f"{name}: port {p} is not free ({e.strerror or e})") from None
 
 
-def _check_kv_caches(planes: int, compute_args: list[str]) -> None:
-    """CPU compute planes started together: their KV caches must fit the memory together
-    (each plane checks its own at load, when the others' pools, mapped lazily, hold
-    nothing yet: the OOM killer came later, as the caches filled)."""
+def _check_memory(model: str, planes: int, compute_args: list[str]) -> None:
+    """CPU compute planes started together: their weights and KV caches must fit the
+    memory together (each plane checks its own KV cache once loaded, when the others'
+    pools, mapped lazily, hold nothing yet and their weights may not be in yet: the OOM
+    killer came later, as they loaded or the caches filled). The weights are counted at
+    their files' size (a GGUF's matrices stay quantized on the CPU), the draft model's too."""
     from compute_plane.config import ComputeConfig
     from compute_plane.host_memory import check_kv_budget
+    from hetero_common.model_path import resolve_model_path, weights_bytes
 
     config = config_from_args(
         ComputeConfig, build_parser().parse_args(["compute-plane", *compute_args])
     )
-    if config.device.startswith("cuda") or (config.device == "auto" and _cuda()):
+    if config.device.startswith("cuda"):
         return  # (sized from the GPU's free memory, not --kv-cache-bytes)
-    check_kv_budget(config.kv_cache_bytes, planes)
+    models = [model, *([config.draft_model] if config.draft_model else [])]
+    weights = sum(weights_bytes(resolve_model_path(m)) for m in models)
+    try:
+        check_kv_budget(config.kv_cache_bytes, planes, weights)
+    except ValueError:
+        if config.device == "auto" and _cuda():  # (torch imported only here: seconds)
+            return
+        raise
 
 
 def _cuda() -> bool:

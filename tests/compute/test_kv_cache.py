@@ -95,3 +95,45 @@ def test_a_kv_budget_past_the_memory_available_names_the_flag_and_both_sizes() -
     with pytest.raises(ValueError, match=r"--kv-cache-bytes (\d+) \(.* GiB\) is more than") as e:
         host_memory.check_kv_budget(4 * available)
     assert f"--kv-cache-bytes {4 * available} " in str(e.value)
+
+
+def test_the_weights_count_against_the_memory_with_the_kv_caches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """serve --compute-planes N: each plane holds the weights and its KV cache; a check of
+    N x the KV cache alone passed a serve whose weights then took the room (OOM killer)."""
+    gib = 1 << 30
+    monkeypatch.setattr(host_memory, "mem_available", lambda: 10 * gib)
+    monkeypatch.setattr(host_memory, "cgroup_memory_left", lambda: None)
+    host_memory.check_kv_budget(4 * gib, 2, weights=gib)  # 2 x 5 GiB: just fits
+    with pytest.raises(ValueError) as e:
+        host_memory.check_kv_budget(4 * gib, 2, weights=gib + 1)
+    assert str(e.value) == (
+        f"--compute-planes 2 x (--kv-cache-bytes {4 * gib} (4.0 GiB) + the weights, "
+        f"~{gib + 1} bytes (1.0 GiB: the model files' size, an estimate)) = {10 * gib + 2} "
+        f"bytes (10.0 GiB) is more than the memory available, {10 * gib} bytes (10.0 GiB: "
+        "MemAvailable in /proc/meminfo); the OOM killer would end the compute plane as the "
+        "cache fills: lower --kv-cache-bytes or --compute-planes"
+    )
+    with pytest.raises(ValueError, match="the weights alone do not fit: a smaller model or"):
+        host_memory.check_kv_budget(1, 2, weights=5 * gib)
+    with pytest.raises(ValueError, match=r"\+ the weights, ~\d+ bytes .* = \d+ bytes"):
+        host_memory.check_kv_budget(6 * gib, 1, weights=5 * gib)
+
+
+def test_the_weights_estimate_is_the_size_of_the_weight_files(tmp_path: Path) -> None:
+    """serve's estimate of a model's weights in memory: a folder's *.safetensors (shards
+    too), not its config or tokenizer; a .gguf file's size."""
+    from safetensors.torch import save_file
+
+    from hetero_common.model_path import weights_bytes
+
+    save_file({"a": torch.zeros(1000)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b": torch.zeros(3000)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text("{}" + " " * 100_000)
+    shards = [p.stat().st_size for p in tmp_path.glob("model-*")]
+    assert len(shards) == 2 and min(shards) > 4000
+    assert weights_bytes(tmp_path) == sum(shards)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 12345)
+    assert weights_bytes(gguf) == 12345

@@ -17,6 +17,7 @@ import gguf
 import pytest
 
 from hetero_common.cpus import usable_cpus
+from hetero_common.model_path import gemma3_gguf
 from hetero_infer.local import free_port, stop_process
 from tests.procs import compute_plane
 
@@ -261,6 +262,29 @@ def test_a_kv_cache_larger_than_the_memory_available_is_refused() -> None:
     r = _run("compute-plane", "--port", str(free_port()), "--metrics-port", "-1", flag)
     _refused(r, f"--kv-cache-bytes {total} (")
     assert "is more than the memory available" in r.stderr
+
+
+def test_serve_counts_the_weights_of_its_compute_planes_before_starting_them() -> None:
+    # Only N x --kv-cache-bytes was checked: each plane's weights were not counted, so a
+    # serve whose planes could not all hold them with their caches started and loaded.
+    if usable_cpus() < 2:
+        pytest.skip("--compute-planes 2 needs 2 CPUs")
+    weights = os.path.getsize(gemma3_gguf())  # (the file the planes would load)
+    available = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemAvailable:")
+    )
+    # 2 x the cache alone is `weights` short of the memory available, 2 x (cache + the
+    # weights) `weights` past it: a margin of the weights either way for what the machine
+    # does meanwhile.
+    kv = (available - weights) // 2
+    args = ("--model", "gemma3", "--compute-planes", "2", f"--compute-arg=--kv-cache-bytes={kv}")
+    r = _run("serve", "--port", str(free_port()), *args, timeout=60)
+    _refused(r, f"--compute-planes 2 x (--kv-cache-bytes {kv} (")
+    assert f" + the weights, ~{weights} bytes (" in r.stderr, r.stderr
+    assert "the model files' size, an estimate" in r.stderr, r.stderr
+    assert "compute_plane" not in r.stderr  # nothing started
 
 
 @pytest.mark.parametrize(
