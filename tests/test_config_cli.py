@@ -11,7 +11,8 @@ import pytest
 from compute_plane.config import ComputeConfig
 from control_plane.config import ControlConfig
 from gateway.config import GatewayConfig
-from hetero_infer.cli import build_parser, main
+from hetero_infer.cli import main
+from hetero_infer.commands import build_parser
 from hetero_infer.config_cli import add_dataclass_arguments, config_from_args
 
 

@@ -26,7 +26,7 @@ from control_plane.config import ControlConfig
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from hetero_common.grpc_health import LIVENESS
-from hetero_infer.cli import build_parser
+from hetero_infer.commands import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"

@@ -416,6 +416,57 @@ def test_ctrl_c_while_serve_starts_stops_it_cleanly() -> None:
     assert not _running(f"--port {port}")
 
 
+# Sends this process SIGINT (a Ctrl-C) as it first imports the module $INTERRUPT_AT,
+# and writes $INTERRUPTED: an interrupt at one exact point of start-up.
+_INTERRUPTER = """
+import importlib.abc, os, signal, sys
+
+class Interrupter(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["INTERRUPT_AT"]:
+            sys.meta_path.remove(self)
+            open(os.environ["INTERRUPTED"], "w").close()
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupter())
+"""
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["-m", "hetero_infer.cli"],  # how tests and serve start it
+        ["-c", "import sys; from hetero_infer.cli import main; sys.exit(main())"],  # the script
+    ],
+    ids=["module", "script"],
+)
+@pytest.mark.parametrize(
+    "module",
+    [
+        "asyncio",  # the standard library, at the top of the subcommands' module
+        "grpc",  # a dependency (hetero_infer.local)
+        "control_plane.config",  # the parser's (build_parser)
+    ],
+)
+def test_ctrl_c_while_hetero_infer_imports_exits_130_quietly(
+    entry: list[str], module: str, tmp_path: Path
+) -> None:
+    # A KeyboardInterrupt traceback from the import it hit, and exit status -2 (the
+    # interpreter's own SIGINT death): serve's Ctrl-C handling began only once its modules
+    # had loaded, ~0.1 s after it started.
+    (tmp_path / "sitecustomize.py").write_text(_INTERRUPTER)
+    marker = tmp_path / "interrupted"
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "INTERRUPT_AT": module, "INTERRUPTED": str(marker)}
+    cmd = [sys.executable, *entry, "serve", "--port", str(free_port())]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+    assert marker.exists()  # (the interrupt came, during that import)
+    assert r.returncode == 130, r.stderr
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
+    assert "compute_plane" not in r.stderr  # nothing started
+
+
 def test_serve_refuses_compute_planes_whose_kv_caches_together_pass_the_memory() -> None:
     # Each of two planes' caches fits alone (0.6 of MemAvailable): each plane's own check
     # passed, both served, and the OOM killer came once the caches filled.
@@ -434,6 +485,6 @@ def test_serve_refuses_compute_planes_whose_kv_caches_together_pass_the_memory()
         f"--compute-arg=--kv-cache-bytes={each}",
         timeout=60,
     )
-    _refused(r, f"--compute-planes 2 x --kv-cache-bytes {each} (")
+    _refused(r, f"--compute-planes 2 x (--kv-cache-bytes {each} (")  # (+ the weights)
     assert "lower --kv-cache-bytes or --compute-planes" in r.stderr, r.stderr
     assert "compute plane listening" not in r.stderr  # (refused before any started)
