@@ -8,7 +8,9 @@ strings) drives the compute engine directly: same code as serving, minus gRPC an
         chats = llm.chat([{"role": "user", "content": "Hi!"}], GenerationParams(max_tokens=8))
 
 As vLLM's `LLM`: `generate` takes one prompt or a list, and one GenerationParams for
-all, one per prompt, or None (defaults); `chat` renders each conversation with the
+all, one per prompt, or None (`get_default_sampling_params`: the model folder's
+generation_config.json sampling defaults, as the server's for fields a request leaves
+out, and as vLLM's LLM applies them); `chat` renders each conversation with the
 model's chat template (the control plane's own code, as a chat request is). Unlike vLLM's
 SamplingParams, an unset max_tokens means up to the context (control.proto's meaning).
 """
@@ -36,7 +38,7 @@ from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError
-from control_plane.server import template_tool_calls
+from control_plane.server import generation_defaults, template_tool_calls
 from control_plane.tokenizer import load_tokenizer
 from hetero_common.accumulate import Accumulated
 from hetero_common.model_path import DEFAULT_MODEL, model_display_name, resolve_model_path
@@ -88,6 +90,7 @@ class OfflineLLM:
         if self.control_config.chat_template:  # (as the control plane's serve takes it)
             self.tokenizer.chat_template = read_chat_template(self.control_config.chat_template)
         self.model_name = model_display_name(path)
+        self._sampling_defaults = generation_defaults(path)  # (the control plane's reader)
         self.engine = Engine(self.compute_config, load_for(self.compute_config, path))
         self.engine.warmup()
         # One generate at a time: each attaches its own control engine to self.engine,
@@ -104,7 +107,8 @@ class OfflineLLM:
         hold them, as vLLM's LLM.generate takes any number); results in prompt order.
         Each prompt is a string, a list of token ids, or vLLM's {"prompt": text} or
         {"prompt_token_ids": ids} (a single string or dict: one prompt); `params` one
-        GenerationParams for every prompt, one per prompt, or None (the defaults).
+        GenerationParams for every prompt, one per prompt, or None (the model's defaults:
+        `get_default_sampling_params`).
         TypeError / ValueError name a prompt or params that is neither, or a count of
         params that does not match (AdmissionError, a ValueError, for a prompt or params
         the engine refuses: `prompts[i]: ...`, raised before any prompt runs). Calls from
@@ -112,9 +116,9 @@ class OfflineLLM:
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         if not _is_list(prompts):
-            return self._run(prompts, _per_prompt(params, 0))  # type: ignore[arg-type]  # (refused)
+            return self._run(prompts, self._per_prompt(params, 0))  # type: ignore[arg-type]  # (refused)
         listed = [_undict(p, i) for i, p in enumerate(prompts)]
-        return self._run(listed, _per_prompt(params, len(listed)))
+        return self._run(listed, self._per_prompt(params, len(listed)))
 
     def chat(
         self,
@@ -163,7 +167,29 @@ class OfflineLLM:
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{where}{e}") from None
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self._run(prompts, _per_prompt(params, len(prompts)))
+        return self._run(prompts, self._per_prompt(params, len(prompts)))
+
+    def get_default_sampling_params(self) -> pb.GenerationParams:
+        """What a generate or chat given no params runs with (vLLM's
+        `LLM.get_default_sampling_params`): control.proto's defaults (greedy, up to the
+        context) with the model folder's generation_config.json sampling fields
+        (temperature, top_p, top_k, min_p, repetition_penalty), as the server gives a
+        request that leaves them out; none for a GGUF file. A new message each call: set
+        more fields on it (a seed, max_tokens) and pass it. Params given are used as they
+        are (vLLM's LLM too): a field they leave at 0 is control.proto's 0."""
+        out = pb.GenerationParams()
+        for name, value in self._sampling_defaults.items():
+            setattr(out, name, type(getattr(out, name))(value))  # (top_k: an int)
+        return out
+
+    def _per_prompt(self, params: object, n: int) -> Any:
+        """One GenerationParams per prompt: `params` itself when a list (checked by
+        _check), a copy for each when one, the model's defaults when None."""
+        if params is None:
+            return [self.get_default_sampling_params() for _ in range(n)]
+        if isinstance(params, pb.GenerationParams):
+            return [_copy(params) for _ in range(n)]
+        return params
 
     def close(self) -> None:
         """Free the model and its KV cache; generate and chat raise RuntimeError after."""
@@ -298,16 +324,6 @@ def _undict(prompt: Any, i: int) -> Any:
 
 def _is_list(prompts: object) -> bool:
     return isinstance(prompts, Sequence) and not isinstance(prompts, str | bytes)
-
-
-def _per_prompt(params: object, n: int) -> Any:
-    """One GenerationParams per prompt: `params` itself when a list (checked by _check),
-    one for each when one, the defaults when None."""
-    if params is None:
-        return [pb.GenerationParams() for _ in range(n)]
-    if isinstance(params, pb.GenerationParams):
-        return [_copy(params) for _ in range(n)]
-    return params
 
 
 def _copy(params: pb.GenerationParams) -> pb.GenerationParams:

@@ -392,3 +392,86 @@ def test_vllm_s_prompt_dicts_are_the_prompts_they_hold(smollm2_path: Path) -> No
     assert [c.prompt_token_ids for c in dicts] == [c.prompt_token_ids for c in plain] == [ids] * 2
     assert [c.token_ids for c in dicts] == [c.token_ids for c in plain]
     assert one.token_ids == plain[1].token_ids and len(one.token_ids[0]) == 3
+
+
+def _tiny_hf_folder(out: Path) -> Path:
+    """A randomly initialised Llama with a byte-level tokenizer (its 256 bytes, <s>, </s>)
+    and a chat template: an HF folder as OfflineLLM and the planes load one."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tests.conftest import make_tiny_model
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    t.train_from_iterator(
+        ["hello"],
+        trainers.BpeTrainer(
+            vocab_size=258, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet
+        ),
+    )
+    assert t.get_vocab_size() == 258
+    t.save(str(out / "tokenizer.json"))
+    template = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
+    )
+    make_tiny_model(
+        "llama",
+        out,
+        vocab_size=258,
+        bos_token_id=256,
+        eos_token_id=257,
+        max_position_embeddings=128,
+    )
+    return out
+
+
+def test_a_folder_s_generation_config_gives_the_params_left_out_as_the_server_does(
+    tmp_path: Path,
+) -> None:
+    """vLLM's LLM (generation_config="auto") runs generate and chat given no params with
+    the model's generation_config.json sampling fields (`get_default_sampling_params`), as
+    the server fills the fields a request leaves out; OfflineLLM ran them greedy. Params
+    given are used as they are (vLLM's too)."""
+    import json
+
+    import torch
+
+    folder = _tiny_hf_folder(tmp_path)
+    prompt = "hello world"
+    explicit = pb.GenerationParams(max_tokens=24, ignore_eos=True)  # greedy: temperature 0
+    generation_config = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "do_sample": True}
+    with OfflineLLM(str(folder)) as llm:  # no generation_config.json yet: greedy
+        assert llm.get_default_sampling_params() == pb.GenerationParams()
+        (greedy,) = llm.generate(prompt, explicit)
+    # An independent greedy decode: transformers' own, of the same weights and prompt.
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.tensor([greedy.prompt_token_ids])
+    with torch.no_grad():
+        reference = hf.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    assert greedy.token_ids[0] == reference[0, ids.shape[1] :].tolist()
+
+    (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    with OfflineLLM(str(folder)) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert defaults == pb.GenerationParams(temperature=0.9, top_p=0.95, top_k=40)
+        defaults.seed = 1  # (a copy: the next call's are the file's again)
+        assert not llm.get_default_sampling_params().HasField("seed")
+        (again,) = llm.generate(prompt, explicit)  # given: as given, greedy
+        assert again.token_ids == greedy.token_ids
+        # Left out: sampled at temperature 0.9 from a random model's nearly flat
+        # distribution, 4 x 24 tokens that are all the greedy ones (~(1/40)**96) are not.
+        sampled = llm.generate([{"prompt_token_ids": greedy.prompt_token_ids}] * 4)
+        assert all(len(c.token_ids[0]) > 0 for c in sampled)
+        assert any(
+            c.token_ids[0][:24] != greedy.token_ids[0][: len(c.token_ids[0])] for c in sampled
+        )
+        chats = llm.chat([[{"role": "user", "content": "hi"}]] * 4)
+        (chat_greedy,) = llm.chat([{"role": "user", "content": "hi"}], explicit)
+        assert any(c.token_ids[0] != chat_greedy.token_ids[0][: len(c.token_ids[0])] for c in chats)
