@@ -2,7 +2,8 @@
 
 Token t of a request lives in block `table[t // block_size]` at offset
 `t % block_size`. Full, computed blocks are indexed by a chained hash so that a later
-request with the same prefix reuses them instead of recomputing.
+request with the same prefix (and the same cache salt, or none) reuses them instead of
+recomputing.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from control_plane.block_pool import (
-    ROOT_HASH,
     Block,
     BlockHash,
     BlockPool,
     IntegrityError,
     chain_hashes,
+    root_hash,
 )
 from control_plane.request import Request
 
@@ -120,7 +121,7 @@ class BlockManager:
         hits: list[Block] = []
         if not self.pool.enable_caching:
             return hits
-        for key in chain_hashes(req.token_ids, bs, 0, max_blocks):
+        for key in chain_hashes(req.token_ids, bs, 0, max_blocks, root_hash(req.cache_salt)):
             block = self.pool.lookup(key)
             if block is None:
                 break
@@ -155,7 +156,7 @@ class BlockManager:
             self.pool.share(prefix)
             table = self._tables[req.request_id] = list(prefix)
             self._num_hashed[req.request_id] = len(prefix)
-            last = prefix[-1].key if prefix else ROOT_HASH
+            last = prefix[-1].key if prefix else root_hash(req.cache_salt)
             assert last is not None, "a prefix hit that is not in the prefix cache"
             self._last_hash[req.request_id] = last
         new = self.pool.allocate(max(0, need)) or []
@@ -189,6 +190,8 @@ class BlockManager:
         """
         if child.request_id in self._tables:
             raise IntegrityError(f"fork into {child.request_id!r}, which holds blocks")
+        if child.cache_salt != parent.cache_salt:  # (the choices of one request share it)
+            raise IntegrityError(f"fork into {child.request_id!r} under another cache salt")
         n = min(parent.num_computed_tokens, child.num_tokens - 1) // self.block_size
         if self._released.get(parent.request_id):
             n = 0  # the window the child's next tokens need is partly gone: recompute
@@ -196,7 +199,7 @@ class BlockManager:
         self.pool.share(shared)
         self._tables[child.request_id] = list(shared)
         self._num_hashed[child.request_id] = 0
-        self._last_hash[child.request_id] = ROOT_HASH
+        self._last_hash[child.request_id] = root_hash(child.cache_salt)
         child.num_computed_tokens = n * self.block_size
         return child.num_computed_tokens
 

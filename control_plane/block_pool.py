@@ -24,8 +24,24 @@ from hashlib import sha256
 # key, and a later request sharing only that key would attend to K/V computed from the
 # other prompt (vLLM's CVE-2025-25183). Nothing else decides a block's K/V here: one
 # model per compute plane, each plane its own pool, no adapters nor multimodal input.
+# A request's cache salt (vLLM's `cache_salt`) is the one other input: it picks the
+# chain's root, so it enters the first block's key and through it every later one.
 BlockHash = bytes
-ROOT_HASH: BlockHash = bytes(32)  # the parent of a prompt's first block
+ROOT_HASH: BlockHash = bytes(32)  # the parent of an unsalted prompt's first block
+# Prefixed to a salt's UTF-8 bytes to make its root: a salted root is then the SHA-256 of
+# bytes that no block key hashes (those start with a parent key: 32 zero bytes, or a
+# SHA-256 digest that would have to start with this tag), so a salt cannot be chosen to
+# make its root equal to some prompt's block key and its chain continue that prompt's.
+_SALT_TAG = b"hetero-infer cache_salt\x00"
+
+
+def root_hash(cache_salt: str = "") -> BlockHash:
+    """The parent key of a prompt's first block: ROOT_HASH without a salt, else one of
+    the salt's own, so that prompts under different salts share no block and prompts
+    under one salt (or none) share as before."""
+    if not cache_salt:
+        return ROOT_HASH
+    return sha256(_SALT_TAG + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def chain_hashes(

@@ -17,7 +17,7 @@ import time
 import uuid
 
 from control_plane import metrics
-from control_plane.block_pool import BlockHash, chain_hashes
+from control_plane.block_pool import BlockHash, chain_hashes, root_hash
 from control_plane.compute_client import ComputeClient, ComputeLink
 from control_plane.config import ControlConfig
 from control_plane.grammar import GrammarError, Grammars
@@ -86,10 +86,11 @@ def _queue(sched: Scheduler, stream: GenerateStream) -> None:
         raise
 
 
-def prompt_keys(token_ids: list[int], block_size: int) -> list[BlockHash]:
-    """The chain of full-block hashes of a prompt, as the prefix cache keys them (the
-    last token is never a hit: it must be computed)."""
-    return list(chain_hashes(token_ids, block_size, 0, (len(token_ids) - 1) // block_size))
+def prompt_keys(token_ids: list[int], block_size: int, cache_salt: str = "") -> list[BlockHash]:
+    """The chain of full-block hashes of a prompt under its cache salt, as the prefix
+    cache keys them (the last token is never a hit: it must be computed)."""
+    stop = (len(token_ids) - 1) // block_size
+    return list(chain_hashes(token_ids, block_size, 0, stop, root_hash(cache_salt)))
 
 
 class ControlEngine:
@@ -351,7 +352,7 @@ class ControlEngine:
 
     # ------------------------------------------------------------ placement
     def _place(
-        self, token_ids: list[int], exclude: ComputePlane | None = None
+        self, token_ids: list[int], cache_salt: str, exclude: ComputePlane | None = None
     ) -> tuple[ComputePlane, str]:
         """The compute plane for a new request and why (`hetero_routed_requests_total`'s
         reason, counted by the caller once the request is placed there): the longest
@@ -371,7 +372,7 @@ class ControlEngine:
                 assert sched is not None
                 bs = sched.block_manager.block_size
                 if bs not in keys:
-                    keys[bs] = prompt_keys(token_ids, bs)
+                    keys[bs] = prompt_keys(token_ids, bs, cache_salt)
                 hit = p.prefix_hit(keys[bs]) * bs
                 scored.append((-hit, p.load, -sched.block_manager.num_free_blocks, p))
             least = min(scored, key=lambda s: (s[1], s[2]))
@@ -397,7 +398,8 @@ class ControlEngine:
         stream.plane = plane
         if len(self.planes) > 1:
             bs = sched.block_manager.block_size
-            stream.route_keys = prompt_keys(stream.prompt_token_ids, bs)
+            salt = stream.choices[0].request.cache_salt
+            stream.route_keys = prompt_keys(stream.prompt_token_ids, bs, salt)
             plane.placed_keys.update(stream.route_keys)
 
     def _unsettle(self, stream: GenerateStream) -> None:
@@ -430,7 +432,7 @@ class ControlEngine:
         for sid, group in groups.items():
             stream = streams[sid]
             first = group[0][0]
-            target, reason = self._place(first.token_ids, exclude=src)
+            target, reason = self._place(first.token_ids, first.cache_salt, exclude=src)
             self._count_routed(target, reason)
             self._settle(stream, target)
             for req, _ in group:
@@ -490,7 +492,7 @@ class ControlEngine:
             )
         resumed = prompt_ids[len(prompt_ids) - num_resumed :] if num_resumed else []
         prompt_ids = prompt_ids[: len(prompt_ids) - num_resumed]
-        plane, reason = self._place(prompt_ids + resumed)
+        plane, reason = self._place(prompt_ids + resumed, params.cache_salt)
         sched = plane.scheduler
         assert sched is not None
         bounds = plane.bounds()

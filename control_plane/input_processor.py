@@ -204,6 +204,7 @@ class InputProcessor:
                 grammar=None if grammar is None else grammar if i == 0 else grammar.copy(),
                 # Its prompt's logits are all needed: a prefix-cache hit would skip them.
                 skip_prefix_cache=params.HasField("prompt_logprobs"),
+                cache_salt=params.cache_salt,
             )
             detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens(params))
             for token in resumed:  # the client has their text

@@ -53,6 +53,9 @@ class Request:
     traceparent: str = ""  # the control plane's span of its stream, for the compute plane's
     grammar: Any = None  # control_plane.grammar.GrammarState of a constrained request
     skip_prefix_cache: bool = False  # compute the whole prompt (prompt logprobs)
+    # Shares prefix-cache blocks only with requests of the same salt ("" with the unsalted):
+    # the root of its block keys (block_pool.root_hash).
+    cache_salt: str = ""
     # Generate nothing (GenerationParams.prompt_only): the token sampled when the prompt is
     # computed ends it, by length, and is dropped (max_tokens is 1 for that token).
     prompt_only: bool = False
