@@ -167,6 +167,7 @@ def generation_params(
         top_logprobs=logprobs or 0,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        cache_salt=req.cache_salt or "",
     )
     if max_tokens is not None and req.min_tokens > max_tokens:
         raise APIError(

@@ -1,7 +1,7 @@
 """OpenAI request bodies, validated. Responses are built as plain dicts in gateway/serving.py.
 
 Fields follow the OpenAI API reference; `top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `min_tokens` and `stop_token_ids` are vLLM-style extensions.
+`ignore_eos`, `min_tokens`, `stop_token_ids` and `cache_salt` are vLLM-style extensions.
 """
 
 from __future__ import annotations
@@ -231,6 +231,15 @@ class SamplingFields(Strict):
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False  # prompt_token_ids and each choice's token_ids
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Prefix-cache blocks are shared only among requests of the same salt (or none).
+    cache_salt: Text | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        if v == "":  # (vLLM's rule: "" would read as no salt, sharing with everyone)
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        return v
 
     @field_validator("stop")
     @classmethod
