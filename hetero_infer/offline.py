@@ -106,9 +106,10 @@ class OfflineLLM:
         """Run every prompt to the end, all admitted at once (the waiting queue is made to
         hold them, as vLLM's LLM.generate takes any number); results in prompt order.
         Each prompt is a string, a list of token ids, or vLLM's {"prompt": text} or
-        {"prompt_token_ids": ids} (a single string or dict: one prompt); `params` one
-        GenerationParams for every prompt, one per prompt, or None (the model's defaults:
-        `get_default_sampling_params`).
+        {"prompt_token_ids": ids}, either with a "cache_salt" (a non-empty string: the
+        prompt shares prefix-cache blocks only with prompts of the same salt; a single
+        string or dict: one prompt); `params` one GenerationParams for every prompt, one
+        per prompt, or None (the model's defaults: `get_default_sampling_params`).
         TypeError / ValueError name a prompt or params that is neither, or a count of
         params that does not match (AdmissionError, a ValueError, for a prompt or params
         the engine refuses: `prompts[i]: ...`, raised before any prompt runs). Calls from
@@ -117,8 +118,13 @@ class OfflineLLM:
             prompts = [prompts]
         if not _is_list(prompts):
             return self._run(prompts, self._per_prompt(params, 0))  # type: ignore[arg-type]  # (refused)
-        listed = [_undict(p, i) for i, p in enumerate(prompts)]
-        return self._run(listed, self._per_prompt(params, len(listed)))
+        undicted = [_undict(p, i) for i, p in enumerate(prompts)]
+        listed = [prompt for prompt, _ in undicted]
+        per_prompt = self._per_prompt(params, len(listed))
+        _check(listed, per_prompt)  # (before reading params: they are the caller's to check)
+        salts = [salt for _, salt in undicted]
+        salted = [_salted(p, s, i) for i, (p, s) in enumerate(zip(per_prompt, salts, strict=True))]
+        return self._run(listed, salted)
 
     def chat(
         self,
@@ -297,29 +303,49 @@ def _messages(chat: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _undict(prompt: Any, i: int) -> Any:
-    """vLLM's prompt dicts as the prompt they hold: {"prompt": text} (TextPrompt) or
-    {"prompt_token_ids": ids} (TokensPrompt); their other keys (multi-modal data, a cache
-    salt, ...) mean nothing here and are refused, not dropped."""
+def _undict(prompt: Any, i: int) -> tuple[Any, str | None]:
+    """vLLM's prompt dicts as the prompt they hold and its cache salt (None if it has
+    none): {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt),
+    with an optional "cache_salt"; their other keys (multi-modal data, ...) mean nothing
+    here and are refused, not dropped."""
     if not isinstance(prompt, Mapping):
-        return prompt
-    if len(prompt) == 1 and "prompt" in prompt:
+        return prompt, None
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        shown = repr(salt) if isinstance(salt, str) else type(salt).__name__
+        raise TypeError(f"prompts[{i}]['cache_salt'] must be a non-empty str, got {shown}")
+    keys = set(prompt) - {"cache_salt"}
+    if keys == {"prompt"}:
         text = prompt["prompt"]
         if not isinstance(text, str):
             raise TypeError(f"prompts[{i}]['prompt'] must be a str, got {type(text).__name__}")
-        return text
-    if len(prompt) == 1 and "prompt_token_ids" in prompt:
+        return text, salt
+    if keys == {"prompt_token_ids"}:
         ids = prompt["prompt_token_ids"]
         if isinstance(ids, str | bytes | bytearray) or not isinstance(ids, Sequence):
             raise TypeError(
                 f"prompts[{i}]['prompt_token_ids'] must be a list of token ids, got "
                 f"{type(ids).__name__}"
             )
-        return ids
+        return ids, salt
     raise TypeError(
         f"prompts[{i}]: a prompt dict is {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
-        f"got keys {sorted(map(str, prompt))}"
+        f"with an optional 'cache_salt', got keys {sorted(map(str, prompt))}"
     )
+
+
+def _salted(params: pb.GenerationParams, salt: str | None, i: int) -> pb.GenerationParams:
+    """Prompt i's params with its dict's cache salt (a copy: the caller's stay as given)."""
+    if salt is None:
+        return params
+    if params.cache_salt and params.cache_salt != salt:
+        raise ValueError(
+            f"prompts[{i}]['cache_salt'] is {salt!r} but its params' cache_salt is "
+            f"{params.cache_salt!r}: give it in one place"
+        )
+    out = _copy(params)
+    out.cache_salt = salt
+    return out
 
 
 def _is_list(prompts: object) -> bool:
