@@ -40,6 +40,7 @@ from compute_plane.gpu_memory import num_blocks_from_free_memory
 from compute_plane.host_memory import check_kv_budget
 from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.loader import LoadedModel, load_model
+from compute_plane.loader.fingerprint import weights_fingerprint
 from compute_plane.model import Model, ModelKernels
 from compute_plane.model_runner import PENDING, ModelRunner, PromptLogprobs, StepOutput
 from compute_plane.requests import (
@@ -162,6 +163,8 @@ class Engine:
         # the decode step's Triton kernels as programmatic dependent launches (--pdl)
         self.dependent_launch = self._set_dependent_launch(backend)
         draft = self._load_draft(backend) if config.draft_model else None
+        # Before the engine quantizes or fuses them: the weights as the file holds them.
+        self.weights_fingerprint = weights_fingerprint(loaded)
         self.model, num_blocks = self._model_and_pool(loaded, kernels, draft)
         self.max_model_len = min(self.model_max_len, (num_blocks - 1) * self.block_size)
         self.kv_cache = KVCache(cfg, num_blocks, self.block_size, self.dtype, self.device)
@@ -372,6 +375,7 @@ class Engine:
             draft_model=self.drafter.name if self.drafter is not None else "",
             max_speculative_tokens=self.config.max_speculative_tokens,
             vocab_fingerprint=cfg.vocab_fingerprint,
+            weights_fingerprint=self.weights_fingerprint,
         )
 
     def drop_requests(self, why: str = "reset") -> None:

@@ -34,7 +34,7 @@ from control_plane.plane import (
 from control_plane.request import Request, Status
 from control_plane.scheduler import AdmissionError, Scheduler
 from control_plane.tokenizer import TokenizerWrapper
-from hetero_common import vocab
+from hetero_common import vocab, weights
 from hetero_common.discovery import resolve, static_addresses
 from hetero_common.logs import valid_request_id
 from hetero_common.metrics import forget_series
@@ -262,12 +262,12 @@ class ControlEngine:
 
     def check_model(self, plane: ComputePlane, d: cpb.DescribeResponse) -> None:
         """PlaneUnfit for a compute plane that serves another model than the compute planes
-        attached, or a model this control plane's tokenizer is not of: their vocabularies
-        differ (hetero_common.vocab; the same model in another form, GGUF or HF folder,
-        quantized or not, has the same). Those attached include any another check passed
-        that is still attaching (else two planes of different models, met at once, both
-        attached) and any lost one, this one included, whose requests wait for it: they
-        would go on here."""
+        attached (its shape, vocabulary or weights differ: hetero_common.vocab and
+        .weights; the same model in another form, GGUF or HF folder, quantized or not,
+        agrees), or a model this control plane's tokenizer is not of. Those attached
+        include any another check passed that is still attaching (else two planes of
+        different models, met at once, both attached) and any lost one, this one included,
+        whose requests wait for it: they would go on here."""
         for other in self.planes.values():
             od = other.checked if other.checked is not None else other.description
             attached = other.attached.is_set() or other.checked is not None
@@ -285,15 +285,23 @@ class ControlEngine:
                         f"compute plane {plane.address} serves {d.model_name} "
                         f"({key} {mine[key]}), not {od.model_name} ({key} {theirs[key]}) {does}"
                     )
+            served = (
+                "it served for the requests that wait for it"
+                if other is plane
+                else f"compute plane {other.address} serves"
+            )
             if vocab.differ(od.vocab_fingerprint, d.vocab_fingerprint):
-                served = (
-                    "it served for the requests that wait for it"
-                    if other is plane
-                    else f"compute plane {other.address} serves"
-                )
                 raise PlaneUnfit(
                     f"compute plane {plane.address} serves {d.model_name}, whose vocabulary "
                     f"is not that of {od.model_name}, which {served}"
+                )
+            # The same shape and vocabulary, other weights (another fine-tune): a request
+            # moved between them would go on under other weights.
+            why = weights.difference(od.weights_fingerprint, d.weights_fingerprint)
+            if why is not None:
+                raise PlaneUnfit(
+                    f"compute plane {plane.address} serves {d.model_name}, whose weights are "
+                    f"not those of {od.model_name}, which {served}: {why}"
                 )
         if vocab.differ(self.vocab, d.vocab_fingerprint):
             same, compared = vocab.agreement(self.vocab, d.vocab_fingerprint)

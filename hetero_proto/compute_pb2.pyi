@@ -11,7 +11,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("model_name", "architecture", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "kv_cache_bytes", "bos_token_id", "attention_backend", "weight_bytes", "quantization", "sliding_window", "draft_model", "max_speculative_tokens", "vocab_fingerprint")
+    __slots__ = ("model_name", "architecture", "dtype", "device", "block_size", "num_kv_blocks", "max_model_len", "vocab_size", "eos_token_ids", "num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "hidden_size", "kv_cache_bytes", "bos_token_id", "attention_backend", "weight_bytes", "quantization", "sliding_window", "draft_model", "max_speculative_tokens", "vocab_fingerprint", "weights_fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class DescribeResponse(_message.Message):
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     dtype: str
@@ -58,7 +59,8 @@ class DescribeResponse(_message.Message):
     draft_model: str
     max_speculative_tokens: int
     vocab_fingerprint: bytes
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., sliding_window: _Optional[int] = ..., draft_model: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., vocab_fingerprint: _Optional[bytes] = ...) -> None: ...
+    weights_fingerprint: bytes
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., hidden_size: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., attention_backend: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., quantization: _Optional[str] = ..., sliding_window: _Optional[int] = ..., draft_model: _Optional[str] = ..., max_speculative_tokens: _Optional[int] = ..., vocab_fingerprint: _Optional[bytes] = ..., weights_fingerprint: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs", "top_logprobs", "min_tokens", "min_tokens_banned_ids", "logit_bias", "prompt_logprobs")

@@ -26,6 +26,10 @@ class LoadedModel:
     weights: dict[str, torch.Tensor | QuantWeight | ScaledWeight]
     source: str  # "hf" | "gguf"
     path: Path
+    # The weights the file stores lossily (a GGUF quantized type, an FP8 checkpoint's
+    # matrices), whatever form they were loaded in: their values are a quantization's
+    # (hetero_common.weights compares them more loosely)
+    lossy: frozenset[str] = frozenset()
 
 
 def load_model(
@@ -54,11 +58,11 @@ def load_model(
 
     path = Path(path)
     if path.is_dir():
-        config, dense = load_hf(path, dtype, progress, keep_fp8)
+        config, dense, lossy = load_hf(path, dtype, progress, keep_fp8)
         weights: dict[str, torch.Tensor | QuantWeight | ScaledWeight] = dict(dense)
         source = "hf"
     elif path.is_file() and path.suffix == ".gguf":
-        config, gguf_weights = load_gguf(path, dtype, progress, quantized)
+        config, gguf_weights, lossy = load_gguf(path, dtype, progress, quantized)
         weights = dict(gguf_weights)
         source = "gguf"
     else:
@@ -66,7 +70,7 @@ def load_model(
             f"{path}: not a model folder (config.json + safetensors) nor a .gguf file"
         )
     _check_names(path, config, weights)
-    return LoadedModel(config, weights, source, path)
+    return LoadedModel(config, weights, source, path, lossy)
 
 
 def _expected_names(cfg: ModelConfig) -> list[str]:

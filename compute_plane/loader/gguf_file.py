@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tqdm import tqdm
 
@@ -55,6 +55,8 @@ _EOG_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 # llama.cpp adds as well: SmolLM2's HF config leaves it out.
 _TURN_ENDS = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>")
 _CONTROL = 3  # tokenizer.ggml.token_type of a control (special) token
+# Tensor types that hold an HF checkpoint's values as they were (bf16 -> f16 aside)
+_EXACT = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -80,9 +82,10 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(
     path: Path, dtype: torch.dtype, progress: bool, quantized: bool = False
-) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight], frozenset[str]]:
     """Metadata -> ModelConfig; every known tensor oriented as in torch: dequantised and
-    cast, or with `quantized` a quantized matrix as a QuantWeight (compute_plane.quant)."""
+    cast, or with `quantized` a quantized matrix as a QuantWeight (compute_plane.quant);
+    and the names of those the file stores in a quantized type."""
     try:
         reader = open_gguf(path)
     except ValueError as e:
@@ -90,6 +93,7 @@ def load_gguf(
     config = read_config(path, reader)
     n_kv = config.num_kv_heads
     weights: dict[str, torch.Tensor | QuantWeight] = {}
+    lossy: set[str] = set()
     bar = tqdm(
         reader.tensors,
         desc=f"loading {path.name}",
@@ -103,6 +107,8 @@ def load_gguf(
                 # Llama 3.1-style per-frequency rope factors: not expressible in rope_scaling.
                 raise UnsupportedModelError(f"{path}: rope_freqs.weight is not supported")
             raise UnsupportedModelError(f"{path}: unsupported GGUF tensor {t.name}")
+        if t.tensor_type not in _EXACT:
+            lossy.add(name)
         # GGUF lists dims fastest-first (ne order): reversed, they are torch's [out, in].
         shape = [int(d) for d in reversed(t.shape)]
         rotary = config.architecture == "llama" and t.name.endswith(
@@ -123,7 +129,7 @@ def load_gguf(
             w = w - np.float32(config.norm_weight_offset)
         # Copies only unquantised tensors: they are views of the read-only mmap.
         weights[name] = torch.from_numpy(np.require(w, np.float32, ["C", "W"])).to(dtype)
-    return config, weights
+    return config, weights, frozenset(lossy)
 
 
 def read_config(path: Path, reader: GGUFReader) -> ModelConfig:

@@ -31,9 +31,10 @@ _SINGLE = "model.safetensors"
 
 def load_hf(
     folder: Path, dtype: torch.dtype, progress: bool, keep_fp8: bool = False
-) -> tuple[ModelConfig, dict[str, torch.Tensor | ScaledWeight]]:
+) -> tuple[ModelConfig, dict[str, torch.Tensor | ScaledWeight], frozenset[str]]:
     """config.json -> ModelConfig; every tensor of the safetensors file(s), cast to `dtype`
-    (an FP8 checkpoint's matrices: see dequantize_fp8 and `keep_fp8`)."""
+    (an FP8 checkpoint's matrices: see dequantize_fp8 and `keep_fp8`); and the names of
+    those stored in FP8."""
     config = read_config(folder)
     files = _weight_files(folder)
     weights: dict[str, torch.Tensor] = {}
@@ -60,8 +61,9 @@ def load_hf(
     except SafetensorError as e:
         raise ModelLoadError(f"{folder}: unreadable safetensors file: {e}") from e
     if fp8 is not None:
-        return config, dequantize_fp8(weights, fp8, dtype, keep_fp8)
-    return config, dict(weights)
+        lossy = frozenset(n for n, t in weights.items() if t.dtype == FP8)
+        return config, dequantize_fp8(weights, fp8, dtype, keep_fp8), lossy
+    return config, dict(weights), frozenset()
 
 
 def _fp8_config(folder: Path) -> dict[str, Any] | None:

@@ -589,6 +589,51 @@ def test_the_same_model_in_another_form_attaches_beside_it_another_size_does_not
         assert _stats(hf).num_sampled_tokens > 0 and _stats(gguf).num_sampled_tokens > 0
 
 
+def test_a_compute_plane_with_other_weights_of_the_same_shape_is_refused(
+    tmp_path: Path, hf_smollm2_tokenizer: object
+) -> None:
+    """Two fine-tunes of one model (here two random 2-layer Llamas of the same shape and
+    tokenizer) behind one control plane: the same folder twice attaches twice, the other
+    weights are refused (one ERROR line naming the tensor that differs) and left free for
+    a control plane of their own. They were attached, and a request's steps, or a request
+    moved off a failed plane, went on under other weights: other output, silently."""
+    from tests.conftest import make_tiny_model
+
+    tuned, other = tmp_path / "tuned", tmp_path / "other"
+    for folder, seed in ((tuned, 0), (other, 1)):
+        make_tiny_model("llama", folder, seed=seed, vocab_size=49152)
+        hf_smollm2_tokenizer.save_pretrained(folder)  # type: ignore[attr-defined]
+    cport, cmetrics, cport2, cmetrics2, aport, a2port, bport = (free_port() for _ in range(7))
+    control = f"127.0.0.1:{cport}"
+    a, a2, b = (f"127.0.0.1:{p}" for p in (aport, a2port, bport))
+    log = tmp_path / "control.log"
+    url = f"http://127.0.0.1:{cmetrics}/metrics"
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(child([*_compute_cmd(aport), "--model", str(tuned)], a))
+        proc = _logged_control(stack, log, cport, cmetrics, f"{a},{a2},{b}", "--model", str(tuned))
+        wait_serving(control, proc)
+        stack.enter_context(child([*_compute_cmd(a2port), "--model", str(tuned)], a2))
+        _wait_attached(url, a2)
+        stack.enter_context(child([*_compute_cmd(bport), "--model", str(other)], b))
+        refusal = _log_has(log, f"compute plane {b} not attached: ")
+        assert " ERROR " in refusal, refusal
+        assert (
+            f"compute plane {b} not attached: compute plane {b} serves {other.name}, whose "
+            f"weights are not those of {tuned.name}, which compute plane {a} serves: "
+            "model.embed_tokens.weight differs (sampled values "
+        ) in refusal, refusal
+        assert _metric(url, "hetero_compute_attached", compute=a) == 1
+        assert _metric(url, "hetero_compute_attached", compute=a2) == 1
+        assert _metric(url, "hetero_compute_attached", compute=b) == 0
+        with grpc.insecure_channel(control) as ch:
+            assert len(generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0])
+        # Left free: a control plane of the other weights drives it.
+        cmd = _control_cmd(cport2, cmetrics2, b, "--model", str(other))
+        stack.enter_context(child(cmd, f"127.0.0.1:{cport2}"))
+        _wait_attached(f"http://127.0.0.1:{cmetrics2}/metrics", b, timeout=30)
+        assert len([line for line in log.read_text().splitlines() if " ERROR " in line]) == 1
+
+
 def test_an_unfit_compute_plane_leaves_its_place_under_max_compute_planes(
     tmp_path: Path,
 ) -> None:
