@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
 from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
+from hetero_common import weights
 from hetero_infer.local import free_port
 from hetero_proto import compute_pb2 as pb
 from hetero_proto import compute_pb2_grpc as pb_grpc
@@ -58,11 +60,21 @@ def tokenizer(smollm2_path: Path) -> TokenizerWrapper:
     return load_tokenizer(smollm2_path)
 
 
+def _weights(seed: int, layers: int = 30) -> bytes:
+    """A weights fingerprint (hetero_common.weights) of random values: `seed` picks the
+    weights (a fine-tune)."""
+    rng = random.Random(seed)
+    tensors = len(weights.sampled_names(layers))
+    return weights.encode(
+        [(False, [rng.gauss(0, 1) for _ in range(weights.SAMPLES)]) for _ in range(tensors)]
+    )
+
+
 def _describe(
-    tok: TokenizerWrapper, layers: int = 30, other_vocab: bool = False
+    tok: TokenizerWrapper, layers: int = 30, other_vocab: bool = False, fine_tune: int = 0
 ) -> pb.DescribeResponse:
     """The bundled model's shape (`layers` changed: another size of it), its vocabulary
-    or (`other_vocab`) another one of the same size."""
+    or (`other_vocab`) another one of the same size, and the weights of `fine_tune`."""
     fingerprint = tok.vocab_fingerprint
     return pb.DescribeResponse(
         model_name=f"llama-{layers}",
@@ -79,6 +91,7 @@ def _describe(
         head_dim=64,
         hidden_size=576,
         vocab_fingerprint=bytes(len(fingerprint)) if other_vocab else fingerprint,
+        weights_fingerprint=_weights(fine_tune, layers),
     )
 
 
@@ -152,8 +165,9 @@ def test_an_unfit_plane_of_a_fixed_list_leaves_its_place_under_max_compute_plane
     assert len(errors) == 1, [r.getMessage() for r in errors]
 
 
+@pytest.mark.parametrize("differs", ["size", "weights"])
 def test_two_planes_of_different_models_met_at_once_are_not_both_attached(
-    tokenizer: TokenizerWrapper, smollm2_path: Path
+    tokenizer: TokenizerWrapper, smollm2_path: Path, differs: str
 ) -> None:
     """Two compute planes of one tokenizer and two sizes (SmolLM2-135M's 30 layers, a
     2-layer one) answer at once at start-up: the second checked is refused, as it is once
@@ -162,26 +176,37 @@ def test_two_planes_of_different_models_met_at_once_are_not_both_attached(
     moved between them went on with another model's weights."""
     planes = [
         _Compute(_describe(tokenizer), reset_delay=0.3),
-        _Compute(_describe(tokenizer, layers=2), reset_delay=0.3),
+        _Compute(
+            _describe(tokenizer, layers=2)
+            if differs == "size"
+            else _describe(tokenizer, fine_tune=1),
+            reset_delay=0.3,
+        ),
     ]
     attached = asyncio.run(_attached(tokenizer, smollm2_path, planes))
     assert sorted(attached.values()) == [False, True], attached
 
 
+@pytest.mark.parametrize("differs", ["size", "weights"])
 @pytest.mark.parametrize("where", ["another address", "its address"])
 def test_a_plane_of_another_model_does_not_take_the_requests_waiting_for_a_lost_one(
-    tokenizer: TokenizerWrapper, smollm2_path: Path, where: str
+    tokenizer: TokenizerWrapper, smollm2_path: Path, where: str, differs: str
 ) -> None:
     """The only compute plane attached dies with a request in flight; the request waits
-    for it (--compute-timeout). A compute plane serving another size of the model comes
-    up, at another address listed or at the lost one's (restarted with another model):
-    it is not attached while the request waits. It was (no plane was attached to compare
-    it with), and the request went on there, its text continued by another model."""
+    for it (--compute-timeout). A compute plane serving another size of the model, or
+    another fine-tune of it (same shape, other weights), comes up, at another address
+    listed or at the lost one's (restarted with another model): it is not attached while
+    the request waits. It was (no plane was attached to compare it with), and the request
+    went on there, its text continued by another model."""
 
     async def run() -> tuple[bool, int]:
         lost = _Compute(_describe(tokenizer))
         lost.die_at_step = True
-        other = _Compute(_describe(tokenizer, layers=2))
+        other = _Compute(
+            _describe(tokenizer, layers=2)
+            if differs == "size"
+            else _describe(tokenizer, fine_tune=1)
+        )
         server, address = await _serve(lost)
         later = f"127.0.0.1:{free_port()}" if where == "another address" else address
         cfg = ControlConfig(
