@@ -28,7 +28,14 @@ SAMPLES = 16  # values per tensor
 TIGHT = 4e-3  # relative distance of exactly stored copies: bf16 rounding is <= 2**-9
 LOOSE = 0.5  # of a quantized copy (Q8_0 ~0.005, Q4_0 ~0.09); unrelated weights ~1.4
 _ENTRY = struct.Struct(f"<B{SAMPLES}f")
-_LAYER = ("input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj")
+# Every matrix, not a few: an adapter merged into only some (LoRA's q_proj and v_proj) is
+# another fine-tune too.
+_LAYER = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    *(f"self_attn.{x}_proj" for x in "qkvo"),
+    *(f"mlp.{x}_proj" for x in ("gate", "up", "down")),
+)
 
 
 def sampled_names(num_layers: int) -> list[str]:

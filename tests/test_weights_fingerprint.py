@@ -125,19 +125,21 @@ def test_other_weights_of_the_same_shape_differ_in_any_form(
         assert why is not None and why.startswith("model.embed_tokens.weight differs"), why
 
 
+@pytest.mark.parametrize(
+    "name", ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
+)
 def test_a_fine_tune_that_moved_one_matrix_slightly_differs_between_dense_forms(
-    tiny: dict[str, Path], tmp_path: Path
+    tiny: dict[str, Path], tmp_path: Path, name: str
 ) -> None:
-    """A change of 5% to one layer's down_proj (a merged adapter moves less than Q4's
-    error, more than bf16 rounding): told apart between dense forms, and knowingly not
-    from a Q4_0 copy (docs/protocol.md says so)."""
+    """A change of 5% to one matrix (a merged adapter, LoRA's on q_proj too, moves less
+    than Q4's error, more than bf16 rounding): told apart between dense forms, and
+    knowingly not from a Q4_0 copy (docs/protocol.md says so)."""
     from safetensors.torch import load_file, save_file
 
     tuned = tmp_path / "tuned"
     tuned.mkdir()
     (tuned / "config.json").write_bytes((tiny["hf"] / "config.json").read_bytes())
     state = load_file(str(tiny["hf"] / "model.safetensors"))
-    name = "model.layers.1.mlp.down_proj.weight"
     gen = torch.Generator().manual_seed(5)
     state[name] = state[name] * (1 + 0.05 * torch.randn(state[name].shape, generator=gen))
     save_file(state, str(tuned / "model.safetensors"))
@@ -150,14 +152,14 @@ def test_a_fine_tune_that_moved_one_matrix_slightly_differs_between_dense_forms(
 def test_no_fingerprint_or_an_unreadable_one_says_nothing() -> None:
     """A compute plane that sends none (an older one), or one of another version or a
     broken length: not compared, never an error in the control plane."""
-    one = weights.encode([(False, [1.0] * weights.SAMPLES)] * 6)
+    one = weights.encode([(False, [1.0] * weights.SAMPLES)] * 11)
     assert weights.difference(b"", one) is None and weights.difference(one, b"") is None
     assert weights.difference(bytes([weights.VERSION + 1]) + one[1:], one) is None
     assert weights.difference(one[:-1], one) is None
     assert weights.difference(weights.encode([(False, [1.0] * weights.SAMPLES)] * 3), one) is None
-    two_layers = weights.encode([(False, [1.0] * weights.SAMPLES)] * 10)
-    assert weights.difference(two_layers, one) == "10 tensors sampled, not 6"
-    nan = weights.encode([(False, [float("nan")] * weights.SAMPLES)] * 6)
+    two_layers = weights.encode([(False, [1.0] * weights.SAMPLES)] * 20)
+    assert weights.difference(two_layers, one) == "20 tensors sampled, not 11"
+    nan = weights.encode([(False, [float("nan")] * weights.SAMPLES)] * 11)
     assert weights.difference(nan, one) is not None
 
 
@@ -172,7 +174,12 @@ def test_the_fingerprint_layout() -> None:
         "model.norm.weight",
         "model.layers.0.input_layernorm.weight",
         "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
         "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
         "model.layers.0.mlp.down_proj.weight",
     ]
     assert weights.positions(16 * 100) == sorted(set(weights.positions(16 * 100)))

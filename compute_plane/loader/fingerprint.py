@@ -14,7 +14,7 @@ from hetero_common import weights as fingerprint
 def _values(w: torch.Tensor | QuantWeight | ScaledWeight, flat: list[int]) -> list[float]:
     """The values at row-major positions `flat` of a weight, in fp32."""
     if isinstance(w, torch.Tensor):
-        return w.detach().reshape(-1)[flat].to(torch.float32).tolist()
+        return torch.take(w.detach(), torch.tensor(flat)).to(torch.float32).tolist()
     k = w.shape[1]
     rows = torch.tensor([i // k for i in flat])
     cols = torch.tensor([i % k for i in flat])
