@@ -199,7 +199,9 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self._calls: set[asyncio.Task[Any]] = set()  # the open GenerateMany calls' handlers
 
     async def prompt_ids(
-        self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
+        self,
+        request: pb.GenerateRequest | pb.TokenizeRequest,
+        add_special_tokens: bool | None = None,
     ) -> list[int]:
         """`_prompt_ids` in a worker thread (tokenising is slow; the tokenizer releases the
         GIL). A big input waits for the big-input lane, a pool of half the CPUs: a burst of
@@ -237,13 +239,18 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
             )
 
     def _prompt_ids(
-        self, request: pb.GenerateRequest | pb.TokenizeRequest, add_special_tokens: bool = True
+        self,
+        request: pb.GenerateRequest | pb.TokenizeRequest,
+        add_special_tokens: bool | None = None,
     ) -> list[int]:
-        """The request's prompt as token ids (`add_special_tokens`: a text's BOS; a chat
-        template writes its own). Runs in a worker thread: see `prompt_ids`."""
+        """The request's prompt as token ids. `add_special_tokens` (the tokenizer's BOS)
+        defaults to the input's kind: a text gets it, a chat does not (its template writes
+        its own). Set for a chat (Tokenize's flag), the BOS goes on top of the rendered
+        template, as vLLM's /tokenize does: a template that starts with one then has two.
+        Runs in a worker thread: see `prompt_ids`."""
         which = request.WhichOneof("input")
         if which == "text":
-            return self.tokenizer.encode(request.text, add_special_tokens)
+            return self.tokenizer.encode(request.text, add_special_tokens is not False)
         if which == "token_ids":
             return list(request.token_ids.ids)  # type: ignore[union-attr]
         if which == "chat":
@@ -262,7 +269,7 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
                 continue_final_message=chat.continue_final_message,
                 kwargs=kwargs,
             )
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(text, add_special_tokens is True)
         raise AdmissionError("no input: set text, token_ids or chat")
 
     async def Generate(
