@@ -128,12 +128,13 @@ class OutputProcessor:
             live = (status := req.status) is running or status is waiting
             if len(pending) < interval and live and choice.sent:
                 continue
-            choice.sent = True
+            first, choice.sent = not choice.sent, True
             box = stream.pack_into if live else None
-            if req.num_cached_tokens > 0 and choice.index == 0 and not stream.num_cached_tokens:
-                # The hit goes out from this delta on (in responses: a packed delta has
-                # no room for it), so streamed usage can count it before the last message.
-                stream.num_cached_tokens = req.num_cached_tokens
+            if first and not stream.num_cached_tokens and (hit := stream.prefix_hit) > 0:
+                # The hit goes out from the stream's first delta on, whichever choice's
+                # (in responses: a packed delta has no room for it), so streamed usage
+                # can count it before the last message.
+                stream.num_cached_tokens = hit
                 box = None
             # The common case, packed; inlined rather than through new_text (a call per
             # token adds up at hundreds of sequences: benchmarks.overhead shows it).

@@ -188,6 +188,15 @@ class GenerateStream:
             delta.stop_token_id = reason
 
     @property
+    def prefix_hit(self) -> int:
+        """The prompt tokens the prefix cache served this request: choice 0's hit at its
+        first admission (-1 before it; with n > 1 the other choices fork its prompt
+        blocks, so their own counts would include those). The output processor reads it
+        here at the stream's first delta, whichever choice's, so that the report does not
+        depend on which choice samples first."""
+        return self.choices[0].request.num_cached_tokens
+
+    @property
     def cached_prompt_tokens(self) -> int:
         # A resumed request's hit may reach into its resumed output: not prompt.
         return min(self.num_cached_tokens, len(self.prompt_token_ids))

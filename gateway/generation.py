@@ -270,7 +270,7 @@ class Delta:
 
 
 # (deltas, usage when all calls are done, prompt ids when known, prompt tokens served
-# from the prefix cache so far: each call's from its choice 0's first delta on)
+# from the prefix cache so far: each call's from its first delta on, whichever choice's)
 StreamItem = tuple[list[Delta], pb.Usage | None, list[list[int]] | None, int]
 
 

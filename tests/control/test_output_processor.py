@@ -201,3 +201,55 @@ def test_held_back_tokens_of_a_removed_stream_count_up_to_a_stop_string(
     upto_stop = tokens.index(tok.encode(" mat")[0]) + 1
     assert OutputProcessor.drop_held_back(h.stream) == upto_stop - 1
     assert OutputProcessor.drop_held_back(h.stream) == 0  # dropped
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_the_prefix_hit_goes_out_from_the_first_delta_whichever_choice_it_is(
+    tok: TokenizerWrapper, first: int
+) -> None:
+    """n = 2, one choice samples a step before the other. The hit is choice 0's at its
+    admission (the scheduler's prefix lookup; choice 1 shares its prompt blocks and
+    counts them all); every response with a delta, from the stream's first, carries it
+    (protocol.md), and so does the usage."""
+    h = Harness(tok, pb.GenerationParams(n=2, max_tokens=3), interval=1)
+    prompt_len = len(h.stream.prompt_token_ids)
+    hit = prompt_len - 1  # choice 0's lookup found all but the last prompt token cached
+    zero, one = (c.request for c in h.stream.choices)
+    zero.num_cached_tokens, one.num_cached_tokens = hit, prompt_len
+    order = [h.stream.choices[first], h.stream.choices[1 - first]]
+    words = [tok.encode(w, add_special_tokens=False)[0] for w in (" a", " b", " c", " d")]
+
+    def step(*chosen: tuple[int, int]) -> None:
+        """order[k] samples a token; its third ends it (max_tokens, as the scheduler)."""
+        sampled = {}
+        for k, token in chosen:
+            req = order[k].request
+            req.token_ids.append(token)
+            if req.num_output_tokens == 3:
+                req.status = Status.FINISHED_LENGTH
+            sampled[req.request_id] = token
+        h.proc.process(cpb.StepResult(), sampled, STEP_METRICS)  # type: ignore[arg-type]
+
+    step((0, words[0]))  # only the `first` choice has a token
+    step((0, words[1]), (1, words[2]))
+    step((0, words[3]), (1, words[3]))  # the `first` choice ends
+    step((1, words[0]))
+    resps = h.responses()
+    assert [sorted(d.index for d in r.choices) for r in resps] == [
+        [first],
+        [0, 1],
+        [0, 1],
+        [1 - first],
+    ]
+    assert [r.cached_prompt_tokens for r in resps] == [hit] * 4
+    assert resps[-1].usage.cached_prompt_tokens == hit
+    assert resps[-1].usage.completion_tokens == 6
+
+
+def test_no_prefix_hit_is_reported_as_none(tok: TokenizerWrapper) -> None:
+    h = Harness(tok, pb.GenerationParams(n=2, max_tokens=1))
+    zero, one = (c.request for c in h.stream.choices)
+    zero.num_cached_tokens, one.num_cached_tokens = 0, len(h.stream.prompt_token_ids)
+    h.step([13, 14], end=Status.FINISHED_LENGTH)
+    (resp,) = h.responses()
+    assert resp.cached_prompt_tokens == 0 and resp.usage.cached_prompt_tokens == 0
