@@ -140,6 +140,22 @@ class ControlConfig(GrpcServerConfig):
             "failing pause (off: always k)"
         },
     )
+    grammar_cache_mb: int = field(
+        default=256,
+        metadata={
+            "help": "cap, in MiB, of the compiled structured-output grammars kept for reuse "
+            "(an upper estimate of their size; least recently used dropped first; the "
+            "newest is kept whatever its size)"
+        },
+    )
+    grammar_warmup: bool = field(
+        default=True,
+        metadata={
+            "help": "build llguidance's view of the vocabulary (structured output) before "
+            "serving: seconds and ~200 MB for Gemma 3's; off: at the first request with a "
+            "grammar, stalling the other streams meanwhile (docs/performance.md)"
+        },
+    )
     compute_tls_ca: str | None = field(
         default=None,
         metadata={"help": "PEM CA bundle: dial the compute plane over TLS, verified by it"},
@@ -183,7 +199,12 @@ class ControlConfig(GrpcServerConfig):
             raise ValueError(
                 f"compute_resolve_interval must be > 0, got {self.compute_resolve_interval}"
             )
-        for name in ("compute_timeout", "max_compute_planes", "route_load_slack"):
+        for name in (
+            "compute_timeout",
+            "max_compute_planes",
+            "route_load_slack",
+            "grammar_cache_mb",
+        ):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.steps_ahead is not None and not 1 <= self.steps_ahead <= MAX_STEPS_AHEAD:

@@ -107,7 +107,7 @@ class ControlEngine:
         `model_name`: the served model's id (ModelInfo's), the metrics' model_name label."""
         self.config = config
         self.tokenizer = tokenizer
-        self.grammars = Grammars(tokenizer)
+        self.grammars = Grammars(tokenizer, config.grammar_cache_mb * 2**20)
         # What a compute plane's model must have (check_model); built here, not in the
         # event loop at the first attach.
         self.vocab = tokenizer.vocab_fingerprint
@@ -149,6 +149,20 @@ class ControlEngine:
         self.timeline: list[dict[str, int]] | None = None
 
     # ------------------------------------------------------------ lifecycle
+    def warm_up(self) -> None:
+        """Before serving, build what the first request of a kind would otherwise build
+        while other requests stream: with --grammar-warmup, llguidance's view of the
+        vocabulary (seconds on Gemma 3's, holding the GIL; shared by the engines of one
+        tokenizer, so built once)."""
+        if self.config.grammar_warmup and not self.grammars.warmed:
+            t0 = time.perf_counter()
+            self.grammars.warm()
+            log.info(
+                "structured output: llguidance's view of the %d-token vocabulary ready in %.2f s",
+                self.tokenizer.vocab_size,
+                time.perf_counter() - t0,
+            )
+
     async def start(self) -> None:
         if self._link is not None:
             self._listed = [self._link.address]

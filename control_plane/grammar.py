@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +42,14 @@ JSON_OPTIONS: dict[str, Any] = {
     "item_separator": ", ",
     "key_separator": ": ",
 }
-_CACHE_SIZE = 256
+# The compiled-grammar cache is capped by an estimate of its matchers' bytes, as
+# llguidance exposes no size: a base plus so much per byte of spec (the serialized
+# StructuredOutput, the cache key), fitted to the malloc'd bytes of compiled specs that
+# benchmarks/grammar_memory.py measures (docs/performance.md: it over-counts enums and
+# alternations, under-counts deeply nested objects).
+MATCHER_BASE_BYTES = 128 * 1024
+MATCHER_BYTES_PER_SPEC_BYTE = 128
+DEFAULT_CACHE_BYTES = 256 * 2**20
 
 
 class GrammarError(ValueError):
@@ -102,6 +111,11 @@ def spec_key(spec: pb.StructuredOutput) -> bytes:
     return spec.SerializeToString(deterministic=True)
 
 
+def matcher_bytes(key: bytes) -> int:
+    """The estimated size of a compiled matcher of the spec with this key."""
+    return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_SPEC_BYTE * len(key)
+
+
 class _LLGuidanceVocab:
     """Our tokenizer as llguidance reads one: each token's bytes, the special ones (and
     only they) behind llguidance's 0xFF marker, and an encoder that reads special tokens'
@@ -113,15 +127,12 @@ class _LLGuidanceVocab:
 
     def __init__(self, tokenizer: TokenizerWrapper) -> None:
         special = tokenizer.all_special_ids
-        self.eos_token_id = (tokenizer.eos_token_ids or (0,))[0]
+        self.eos_token_id = end_token(tokenizer)
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = sorted(special)
-        self.tokens = [
-            b"\xff" + (tokenizer.tok.id_to_token(i) or "").encode()
-            if i in special
-            else tokenizer.token_bytes(i)
-            for i in range(tokenizer.vocab_size)
-        ]
+        self.tokens = list(tokenizer.bytes_table(skip_special_tokens=False))
+        for i in special:
+            self.tokens[i] = b"\xff" + (tokenizer.tok.id_to_token(i) or "").encode()
         self._tok = Tokenizer.from_str(tokenizer.tok.to_str())
         self._tok.encode_special_tokens = True
 
@@ -131,53 +142,84 @@ class _LLGuidanceVocab:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
 
-class Grammars:
-    """Compiles specs for one tokenizer; a request gets a copy of the cached matcher."""
+def end_token(tokenizer: TokenizerWrapper) -> int:
+    """The one EOS id llguidance's view of `tokenizer` knows (`Grammars` maps the attached
+    model's EOS ids onto it)."""
+    return (tokenizer.eos_token_ids or (0,))[0]
 
-    def __init__(self, tokenizer: TokenizerWrapper) -> None:
+
+_views: weakref.WeakKeyDictionary[TokenizerWrapper, llg.LLTokenizer] = weakref.WeakKeyDictionary()
+_views_lock = threading.Lock()
+
+
+def llguidance_view(tokenizer: TokenizerWrapper) -> llg.LLTokenizer:
+    """llguidance's view of a tokenizer's vocabulary, built once per tokenizer (any
+    thread; its Grammars, and the control engines OfflineLLM makes per generate, share
+    it). Building it takes seconds and hundreds of MB for a large vocabulary (Gemma 3's;
+    docs/performance.md), holding Python's GIL for most of it: the control plane builds
+    it before serving (`--grammar-warmup`)."""
+    with _views_lock:
+        if (view := _views.get(tokenizer)) is None:
+            view = llg.LLTokenizer(
+                llg.TokenizerWrapper(_LLGuidanceVocab(tokenizer)),
+                n_vocab=tokenizer.vocab_size,
+                eos_token=[end_token(tokenizer)],
+            )
+            _views[tokenizer] = view
+        return view
+
+
+class Grammars:
+    """Compiles specs for one tokenizer; a request gets a copy of the cached matcher.
+
+    The cache keeps compiled matchers by spec, least recently used dropped first while
+    their estimated bytes (`matcher_bytes`) exceed `cache_bytes`; the newest one is kept
+    whatever its size (a request compiled off the loop finds it at admission)."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.tokenizer = tokenizer
+        self.cache_bytes = cache_bytes
         self._lltok: llg.LLTokenizer | None = None
-        self._eos: tuple[int, ...] = ()
+        self._end = end_token(tokenizer)
+        self._eos: tuple[int, ...] = (self._end,)
         self._size = tokenizer.vocab_size
-        self._cache: OrderedDict[bytes, llg.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[bytes, tuple[llg.LLMatcher, int]] = OrderedDict()
+        self._cached_bytes = 0
         self._executor: llg.LLExecutor | None = None
         self._compiler = side_lane("grammar")
         self._compiling: dict[bytes, asyncio.Future[None]] = {}  # by spec key
-        # The view being built off the loop, for (eos, size) as they were bound.
-        self._building: tuple[tuple[tuple[int, ...], int], asyncio.Future[llg.LLTokenizer]] | None
-        self._building = None
+        self._building: asyncio.Future[llg.LLTokenizer] | None = None  # the view, off the loop
+
+    def warm(self) -> None:
+        """Build llguidance's view of the vocabulary now (seconds for a large one, holding
+        the GIL), so that no request pays it while others stream."""
+        self._lltok = llguidance_view(self.tokenizer)
 
     def bind(self, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
-        """The attached model's vocabulary and EOS ids (masks cover min(tokenizer, model))."""
-        eos = tuple(sorted(eos_token_ids))
-        size = min(self.tokenizer.vocab_size, vocab_size or self.tokenizer.vocab_size)
-        if self._lltok is not None and (eos, size) == (self._eos, self._size):
-            return
-        self._eos, self._size = eos, size
-        self._lltok = None
-        self._cache.clear()
+        """The attached model's vocabulary and EOS ids (masks cover min(tokenizer, model)).
+        The view and the compiled matchers stay: they know one EOS id (`end_token`), and
+        masks and sampled tokens are mapped between it and these."""
+        self._size = min(self.tokenizer.vocab_size, vocab_size or self.tokenizer.vocab_size)
+        eos = tuple(sorted(i for i in eos_token_ids if 0 <= i < self.tokenizer.vocab_size))
+        self._eos = eos or (self._end,)
 
     @property
     def lltok(self) -> llg.LLTokenizer:
         if self._lltok is None:
-            self._lltok = self._new_lltok()
+            self._lltok = llguidance_view(self.tokenizer)
         return self._lltok
 
-    def _new_lltok(self, eos: tuple[int, ...] | None = None) -> llg.LLTokenizer:
-        eos = self._eos if eos is None else eos
-        return llg.LLTokenizer(
-            llg.TokenizerWrapper(_LLGuidanceVocab(self.tokenizer)),
-            n_vocab=self.tokenizer.vocab_size,
-            eos_token=list(eos or self.tokenizer.eos_token_ids),
-        )
+    @property
+    def warmed(self) -> bool:
+        """Whether llguidance's view of the vocabulary is built."""
+        return self._lltok is not None
 
     def compile(self, spec: pb.StructuredOutput) -> llg.LLMatcher:
         """The pristine matcher of a spec (cached); GrammarError when it does not compile."""
         key = spec_key(spec)
         if (m := self._cached(key)) is not None:
             return m
-        lltok = self.lltok
-        return self._store(key, lltok, _build(spec, lltok))
+        return self._store(key, _build(spec, self.lltok))
 
     async def prepare(self, spec: pb.StructuredOutput) -> None:
         """Compile a spec into the cache off the event loop (GrammarError as `compile`),
@@ -202,39 +244,54 @@ class Grammars:
     async def _compile_off_loop(self, spec: pb.StructuredOutput, key: bytes) -> None:
         lltok = await self._view()
         m = await asyncio.get_running_loop().run_in_executor(self._compiler, _build, spec, lltok)
-        self._store(key, lltok, m)
+        self._store(key, m)
 
     async def _view(self) -> llg.LLTokenizer:
-        """`lltok`, built off the loop (seconds for a large vocabulary), once however
+        """`lltok`, built off the loop when not warmed (--no-grammar-warmup), once however
         many compiles wait for it."""
         if self._lltok is not None:
             return self._lltok
-        bound = self._eos, self._size
-        if self._building is None or self._building[0] != bound:
-            build = functools.partial(self._new_lltok, bound[0])
-            self._building = (
-                bound,
-                asyncio.get_running_loop().run_in_executor(self._compiler, build),
-            )
-        built = await asyncio.shield(self._building[1])
-        if (self._eos, self._size) != bound:
-            return built  # `bind` changed the vocabulary meanwhile: its matcher is not kept
-        if self._lltok is None:
-            self._lltok = built
+        if self._building is None:
+            build = functools.partial(llguidance_view, self.tokenizer)
+            self._building = asyncio.get_running_loop().run_in_executor(self._compiler, build)
+        self._lltok = await asyncio.shield(self._building)
         return self._lltok
 
     def _cached(self, key: bytes) -> llg.LLMatcher | None:
-        if (m := self._cache.get(key)) is not None and not m.is_error():
+        if (entry := self._cache.get(key)) is not None and not entry[0].is_error():
             self._cache.move_to_end(key)
-            return m  # (compiled again once a copy failed: copies share the error)
+            return entry[0]  # (compiled again once a copy failed: copies share the error)
         return None
 
-    def _store(self, key: bytes, lltok: llg.LLTokenizer, m: llg.LLMatcher) -> llg.LLMatcher:
-        if lltok is self._lltok:  # (not when `bind` changed the vocabulary meanwhile)
-            self._cache[key] = m
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+    def _store(self, key: bytes, m: llg.LLMatcher) -> llg.LLMatcher:
+        self._drop(key)
+        size = matcher_bytes(key)
+        self._cache[key] = (m, size)
+        self._cached_bytes += size
+        while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+            _, (_, dropped) = self._cache.popitem(last=False)
+            self._cached_bytes -= dropped
+            metrics.grammar_cache_evictions.inc()
+        metrics.grammar_cache_bytes.set(self._cached_bytes)
         return m
+
+    def _drop(self, key: bytes) -> None:
+        if (entry := self._cache.pop(key, None)) is not None:
+            self._cached_bytes -= entry[1]
+            metrics.grammar_cache_bytes.set(self._cached_bytes)
+
+    @property
+    def cached_bytes(self) -> int:
+        """The estimated bytes of the cached matchers (`matcher_bytes` each)."""
+        return self._cached_bytes
+
+    def cached_keys(self) -> list[bytes]:
+        """The cached specs' keys, least recently used first."""
+        return list(self._cache)
+
+    def _token(self, token: int) -> int:
+        """A sampled token as the matchers know it: any EOS id is their one."""
+        return self._end if token in self._eos else token
 
     def start(self, spec: pb.StructuredOutput, output: Sequence[int] = ()) -> GrammarState:
         """A request's own matcher, with the mask of its first token; `output`: tokens it
@@ -243,7 +300,7 @@ class Grammars:
         kind = spec.WhichOneof("kind") or ""
         state = GrammarState(self.compile(spec).deep_copy(), self._size, spec_key(spec), kind)
         for token in output:
-            if not state.matcher.consume_token(token):
+            if not state.matcher.consume_token(self._token(token)):
                 raise GrammarError(f"the resumed output's token {token} breaks the grammar")
         if output and state.matcher.is_stopped():
             raise GrammarError("the resumed output already completes the grammar")
@@ -260,7 +317,7 @@ class Grammars:
         t0 = time.perf_counter()
         live: list[GrammarState] = []
         for st, token in pairs:
-            if token is not None and not st.matcher.consume_token(token):
+            if token is not None and not st.matcher.consume_token(self._token(token)):
                 if not self._failed(st):
                     st.dead = True  # a token the mask did not allow: cannot happen unless forced
                 continue
@@ -279,10 +336,23 @@ class Grammars:
                 words * 4,
                 len(live),
             )
+            if self._eos != (self._end,):
+                self._map_eos(masks)
             for st, row in zip(live, masks, strict=True):
                 if not self._failed(st):
                     st.set_mask(row)
         metrics.grammar_mask_seconds.observe(time.perf_counter() - t0)
+
+    def _map_eos(self, masks: np.ndarray) -> None:
+        """Where the matchers allow their EOS id, allow the attached model's EOS ids
+        instead (llguidance treats each of its EOS ids alike)."""
+        bits = masks.view(np.uint32)
+        word, bit = divmod(self._end, 32)
+        ends = (bits[:, word] >> np.uint32(bit)) & np.uint32(1)
+        bits[:, word] &= ~np.uint32(1 << bit)
+        for e in self._eos:
+            word, bit = divmod(e, 32)
+            bits[:, word] |= ends << np.uint32(bit)
 
     def _failed(self, st: GrammarState) -> bool:
         """Whether the matcher hit one of llguidance's limits (a lexer or parser too large,
@@ -296,7 +366,7 @@ class Grammars:
             error = "no text can match the grammar"
         st.error = error
         st.dead = True
-        self._cache.pop(st.key, None)
+        self._drop(st.key)
         return True
 
 

@@ -68,6 +68,14 @@ grammar_compile_seconds = Histogram(
     "Time to compile a grammar not in the cache",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
 )
+grammar_cache_bytes = Gauge(
+    "hetero_structured_output_cache_bytes",
+    "Estimated bytes of the compiled grammars cached (--grammar-cache-mb caps it)",
+)
+grammar_cache_evictions = Counter(
+    "hetero_structured_output_cache_evictions",
+    "Compiled grammars dropped from the cache to keep it under --grammar-cache-mb",
+)
 # Speculative decoding (vLLM's vllm:spec_decode_* names under our prefix). Mean acceptance
 # length = (accepted + drafts) / drafts: tokens a verifying request emits per step.
 spec_drafts = Counter(

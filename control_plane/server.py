@@ -548,6 +548,7 @@ async def serve(config: ControlConfig) -> None:
         log.info("chat template from %s", config.chat_template)
     name = config.served_model_name or model_display_name(path)  # ModelInfo's and the metrics'
     engine = ControlEngine(config, tokenizer, model_name=name)
+    engine.warm_up()  # (nothing served yet: no request waits for it)
     plane = GrpcPlane(config, SERVICE_NAME, max_receive_bytes=MAX_RECEIVE_BYTES)
     servicer = ControlServicer(engine, name, generation_defaults(path))
     pb_grpc.add_ControlPlaneServicer_to_server(servicer, plane.server)

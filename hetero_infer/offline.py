@@ -238,6 +238,7 @@ class OfflineLLM:
             in_process_link(self.engine),
             model_name=self.model_name,
         )
+        control.warm_up()  # (once per OfflineLLM: the engines of its tokenizer share it)
         await control.start()
         try:
             await control.first_attached()

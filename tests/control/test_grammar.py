@@ -45,6 +45,16 @@ def grammars(tok: TokenizerWrapper) -> Grammars:
     return g
 
 
+def _allowed(m: cpb.TokenMask) -> list[int]:
+    """The allowed ids of a wire mask, sorted (numpy: for a whole vocabulary per step)."""
+    if m.bitmask:
+        bits = np.unpackbits(np.frombuffer(m.bitmask, np.uint8), bitorder="little")
+        return np.flatnonzero(bits[: m.size]).tolist()
+    if m.invert:
+        return np.setdiff1d(np.arange(m.size), np.array(m.ids, dtype=np.int64)).tolist()
+    return sorted(m.ids)
+
+
 def allowed_set(m: cpb.TokenMask) -> set[int]:
     """Decode a wire mask independently of the encoder (plain Python over the bytes)."""
     if m.bitmask:
@@ -121,6 +131,16 @@ def test_gemma3_tag_tokens_and_special_text_in_a_forced_grammar() -> None:
         state, out = _follow(grammars, pb.StructuredOutput(regex=regex))
         assert state.complete and not state.dead, (regex, state.error)
         assert tok.decode(out) == regex and not set(out) & tok.all_special_ids, regex
+    # The compute plane's EOS ids add <end_of_turn> (106) to the file's <eos> (1): where
+    # the grammar ends both are allowed, and either ends it.
+    grammars.bind(tok.vocab_size, frozenset({1, 106}))
+    x = tok.encode("x", add_special_tokens=False)
+    for end in (1, 106):
+        state = _walk(grammars, pb.StructuredOutput(regex="<b>x*"), tok.encode("<b>", False))
+        assert state.mask is not None and {1, 106, *x} <= set(_allowed(state.mask))
+        assert not {2, 105} & set(_allowed(state.mask))  # (<bos>, <start_of_turn>)
+        grammars.advance([(state, end)])
+        assert state.complete and not state.dead
 
 
 def test_valid_json_instance_is_allowed_token_by_token(
@@ -270,14 +290,14 @@ def test_prepare_compiles_off_the_event_loop_once(
         return build(spec, lltok)  # type: ignore[arg-type]
 
     monkeypatch.setattr(grammar_module, "_build", recorded)
-    grammars = Grammars(tok)
-    new_lltok = grammars._new_lltok
+    view = grammar_module.llguidance_view
 
-    def recorded_lltok(*args: object) -> object:
+    def recorded_view(tokenizer: TokenizerWrapper) -> object:
         built.append("lltok " + threading.current_thread().name)
-        return new_lltok(*args)  # type: ignore[arg-type]
+        return view(tokenizer)
 
-    grammars._new_lltok = recorded_lltok  # type: ignore[method-assign]
+    monkeypatch.setattr(grammar_module, "llguidance_view", recorded_view)
+    grammars = Grammars(tok)  # not warmed (--no-grammar-warmup)
     spec = pb.StructuredOutput(regex="(yes|no) [0-9]{3}")
 
     async def go() -> str:
@@ -303,3 +323,191 @@ def test_prepare_compiles_off_the_event_loop_once(
     assert len(built) == 7 and built[0].startswith("lltok grammar"), built
     assert all(t.startswith("grammar") for t in built[1:]) and loop_thread not in built
     assert state.mask is not None and not state.dead
+
+
+def _regex_key_len(n: int) -> int:
+    """The serialized StructuredOutput(regex=<n bytes>): field 3's tag, the length as a
+    varint, the bytes (protobuf's wire format)."""
+    return 1 + (1 if n < 128 else 2 if n < 16384 else 3) + n
+
+
+def _estimate(n: int) -> int:
+    # The documented estimate (docs/configuration.md --grammar-cache-mb): 128 KiB + 128 B
+    # per byte of spec.
+    return 128 * 1024 + 128 * _regex_key_len(n)
+
+
+def test_the_cache_is_capped_by_estimated_bytes_least_recently_used_first(
+    tok: TokenizerWrapper,
+) -> None:
+    """Matchers are dropped, least recently used first, while their estimated bytes exceed
+    the cap; the newest is kept even when it alone exceeds it (its request, compiled off
+    the loop, finds it at admission). The gauge follows, the evictions count."""
+    from prometheus_client import REGISTRY
+
+    def evictions() -> float:
+        return REGISTRY.get_sample_value("hetero_structured_output_cache_evictions_total") or 0
+
+    def gauge() -> float | None:
+        return REGISTRY.get_sample_value("hetero_structured_output_cache_bytes")
+
+    specs = {n: pb.StructuredOutput(regex="x" * n) for n in (100, 1000, 2000, 20000)}
+    key = {n: s.SerializeToString() for n, s in specs.items()}
+    assert {n: len(k) for n, k in key.items()} == {100: 102, 1000: 1003, 2000: 2003, 20000: 20004}
+    cap = _estimate(100) + _estimate(1000) + _estimate(2000) - 1
+    grammars = Grammars(tok, cache_bytes=cap)
+    grammars.bind(tok.vocab_size, frozenset(tok.eos_token_ids))
+    before = evictions()
+
+    def cached() -> tuple[list[int], int]:
+        by_key = {k: n for n, k in key.items()}
+        return [by_key[k] for k in grammars.cached_keys()], grammars.cached_bytes
+
+    grammars.compile(specs[100])
+    grammars.compile(specs[1000])
+    assert cached() == ([100, 1000], 131072 + 13056 + 131072 + 128384)
+    grammars.compile(specs[2000])  # one byte over: the oldest goes
+    assert cached() == ([1000, 2000], 259456 + 387456)
+    assert evictions() - before == 1 and gauge() == 259456 + 387456
+    grammars.compile(specs[100])  # compiled again; 1000 is now the least recently used
+    assert cached() == ([2000, 100], 387456 + 144128)
+    grammars.start(specs[2000])  # a hit makes it the most recent
+    grammars.compile(specs[1000])
+    assert cached() == ([2000, 1000], 387456 + 259456)
+    assert evictions() - before == 3
+    grammars.compile(specs[20000])  # bigger than the cap alone: kept, the rest dropped
+    assert cached() == ([20000], _estimate(20000)) and _estimate(20000) > cap
+    assert grammars.start(specs[20000]).mask is not None  # (served from the cache)
+    grammars.compile(specs[100])
+    assert cached() == ([100], 144128)
+    assert evictions() - before == 6 and gauge() == 144128
+
+
+def test_a_failed_matcher_leaves_the_cache_and_its_bytes(tok: TokenizerWrapper) -> None:
+    grammars = Grammars(tok)
+    grammars.bind(tok.vocab_size, frozenset(tok.eos_token_ids))
+    ok, huge = pb.StructuredOutput(regex="ok"), pb.StructuredOutput(regex="a{1000000}")
+    grammars.compile(ok)
+    state = grammars.start(huge)
+    assert grammars.cached_bytes == _estimate(2) + _estimate(len("a{1000000}"))
+    (a_run,) = allowed_set(state.mask)  # type: ignore[arg-type]
+    grammars.advance([(state, a_run)])
+    assert state.dead and state.error
+    assert grammars.cached_keys() == [ok.SerializeToString()]
+    assert grammars.cached_bytes == _estimate(2)
+
+
+def test_warm_up_builds_the_vocabulary_view_before_any_request(
+    tok: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --grammar-warmup (the default) the engine builds llguidance's view of the
+    vocabulary before serving: the first constrained request compiles its grammar with it
+    and builds none. Without it, nothing is built until that request."""
+    from control_plane.config import ControlConfig
+    from control_plane.engine import ControlEngine
+
+    calls: list[str] = []
+    view = grammar_module.llguidance_view
+
+    def recorded(tokenizer: TokenizerWrapper) -> object:
+        calls.append(threading.current_thread().name)
+        return view(tokenizer)
+
+    monkeypatch.setattr(grammar_module, "llguidance_view", recorded)
+    lazy = ControlEngine(ControlConfig(metrics_port=-1, grammar_warmup=False), tok)
+    lazy.warm_up()
+    assert not lazy.grammars.warmed and calls == []
+
+    engine = ControlEngine(ControlConfig(metrics_port=-1), tok)
+    assert not engine.grammars.warmed
+    engine.warm_up()
+    assert engine.grammars.warmed and len(calls) == 1
+    params = pb.GenerationParams(structured=pb.StructuredOutput(regex="[0-9]{3}"))
+    asyncio.run(engine.prepare(params))
+    assert len(calls) == 1  # the request built no view
+    assert engine.grammars.start(params.structured).mask is not None
+    # Engines of one tokenizer share the view (OfflineLLM makes one per generate).
+    again = ControlEngine(ControlConfig(metrics_port=-1), tok)
+    again.warm_up()
+    assert again.grammars.lltok is engine.grammars.lltok
+
+
+def test_the_model_s_eos_ids_are_mapped_onto_the_view_s_one(
+    grammars: Grammars, tok: TokenizerWrapper
+) -> None:
+    """The view knows one EOS id; a model with more (Gemma 3's <eos> and <end_of_turn>)
+    gets each where the grammar may end, and any of them ends it: the same masks and
+    stops as llguidance's own matcher told every EOS id (the reference), token by token
+    along random walks. Binding other EOS ids rebuilds nothing and keeps the cache."""
+    import random
+
+    import llguidance as llg
+
+    (end,) = tok.eos_token_ids
+    other = tok.tok.token_to_id("<|endoftext|>")
+    assert other is not None and other != end
+    view, spec = grammars.lltok, pb.StructuredOutput(regex="a|ab|[0-9]*")
+    grammars.compile(spec)
+    keys = grammars.cached_keys()
+    grammars.bind(tok.vocab_size, frozenset({end, other}))
+    assert grammars.lltok is view and grammars.cached_keys() == keys
+    reference_view = llg.LLTokenizer(
+        llg.TokenizerWrapper(grammar_module._LLGuidanceVocab(tok)),
+        n_vocab=tok.vocab_size,
+        eos_token=[end, other],
+    )
+    words = (tok.vocab_size + 31) // 32
+    rng = random.Random(0)
+    specs = [spec, pb.StructuredOutput(json_object=True), pb.StructuredOutput(regex="x|xy")]
+    ends = 0
+    try:
+        for s in specs:
+            for _ in range(8):
+                ref = llg.LLMatcher(reference_view, grammar_module.grammar_text(s))
+                state = grammars.start(s)
+                for _ in range(12):  # (a random JSON object runs on: its prefix will do)
+                    row = np.zeros(words, dtype=np.int32)
+                    ref.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
+                    want = np.flatnonzero(
+                        np.unpackbits(row.view(np.uint8), bitorder="little")[: tok.vocab_size]
+                    )
+                    assert state.mask is not None
+                    assert _allowed(state.mask) == want.tolist()
+                    token = int(rng.choice(want))
+                    ends += token in (end, other)
+                    assert ref.consume_token(token)
+                    grammars.advance([(state, token)])
+                    assert state.complete == ref.is_stopped() and not state.dead
+                    if state.complete:
+                        break
+        assert ends >= 4  # (both ids ended walks)
+    finally:
+        grammars.bind(tok.vocab_size, frozenset(tok.eos_token_ids))
+
+
+def test_offline_llm_builds_the_vocabulary_view_once_for_all_its_generates(
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OfflineLLM makes a control engine per generate: they share the view of its
+    tokenizer (each built its own before, seconds a generate with Gemma 3's)."""
+    import re
+
+    from hetero_infer.offline import OfflineLLM
+
+    built: list[int] = []
+    vocab = grammar_module._LLGuidanceVocab
+
+    def counted(tokenizer: TokenizerWrapper) -> object:
+        built.append(tokenizer.vocab_size)
+        return vocab(tokenizer)
+
+    monkeypatch.setattr(grammar_module, "_LLGuidanceVocab", counted)
+    regex = "[0-9]{2}-[a-z]{3}"
+    params = pb.GenerationParams(
+        max_tokens=20, temperature=0.0, structured=pb.StructuredOutput(regex=regex)
+    )
+    with OfflineLLM(str(smollm2_path)) as llm:
+        for _ in range(2):
+            (out,) = llm.generate("A code:", params)
+            assert re.fullmatch(regex, out.texts[0]), out.texts
+    assert built == [49152]

@@ -486,3 +486,32 @@ def test_bad_structured_requests_are_400(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
     )
     assert r.choices[0].message.content is not None
+
+
+def _start_log(*flags: str) -> list[str]:
+    """A control plane's log lines up to the one saying it listens (no compute plane:
+    none is needed to start)."""
+    cmd = [sys.executable, "-m", "hetero_infer.cli", "control-plane", "--port", str(free_port())]
+    cmd += ["--compute", f"127.0.0.1:{free_port()}", "--metrics-port", "-1", *flags]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            lines.append(raw.decode(errors="replace"))
+            if "control plane listening" in lines[-1]:
+                return lines
+        raise AssertionError(f"exited before listening: {''.join(lines)}")
+    finally:
+        stop_process(proc)  # type: ignore[arg-type]
+
+
+def test_the_vocabulary_view_is_built_before_the_control_plane_listens() -> None:
+    """`serve` builds llguidance's view of the vocabulary before the gRPC port accepts
+    anything, so the first constrained request finds it; --no-grammar-warmup leaves it
+    to that request."""
+    lines = _start_log()
+    ready = [i for i, line in enumerate(lines) if "llguidance's view" in line]
+    assert ready == [i for i, line in enumerate(lines) if "49152-token vocabulary ready" in line]
+    assert len(ready) == 1 and ready[0] < len(lines) - 1, lines
+    assert not any("llguidance's view" in line for line in _start_log("--no-grammar-warmup"))
