@@ -3,7 +3,7 @@
 Each control plane has its own prefix cache, so requests that share a long prefix (a
 system prompt, a few-shot preamble, the earlier turns of a conversation) should meet on
 the same one. The gateway does not tokenize, so the key is the request's leading
-content as it arrives (`routing_key`), placed on a consistent-hash ring with virtual
+content as it arrives, with its cache_salt (`routing_key`), placed on a consistent-hash ring with virtual
 nodes (`HashRing`): adding or removing one of N planes moves only ~1/N of the keys, so
 the caches of the others stay warm.
 
@@ -41,7 +41,17 @@ def _hash(data: str) -> int:
 
 
 def routing_key(call: pb.GenerateRequest) -> str:
-    """The part of a call's input that decides its plane: its leading content."""
+    """The part of a call's input that decides its plane: its leading content, behind
+    its cache_salt when it has one (prefix-cache blocks are shared only within one salt,
+    so each tenant's prefix is its own key: tenants with a common system prompt spread
+    over the planes, and each tenant's requests still meet on one)."""
+    content = _content_key(call)
+    salt = call.params.cache_salt
+    # The salt's length leads, so no salt can spell another salt followed by content.
+    return f"salt:{len(salt)}:{salt}|{content}" if salt else content
+
+
+def _content_key(call: pb.GenerateRequest) -> str:
     kind = call.WhichOneof("input")
     if kind == "text":
         return "text:" + call.text[:KEY_CHARS]

@@ -92,6 +92,34 @@ def test_shared_prefixes_share_a_key() -> None:
     assert routing_key(chat("Be brief.", "Hi")) != routing_key(chat("Be brief.", "Hello"))
 
 
+def test_a_cache_salt_keys_its_own_prefixes() -> None:
+    # Prefix-cache blocks are shared only within one salt: each tenant's prefix is its own
+    # key (its requests meet on one plane), and tenants of one system prompt spread.
+    preamble = "You are a helpful assistant. " * 20
+
+    def call(text: str, salt: str = "") -> pb.GenerateRequest:
+        return pb.GenerateRequest(text=text, params=pb.GenerationParams(cache_salt=salt))
+
+    assert routing_key(call(preamble + "A?", "tenant-1")) == routing_key(
+        call(preamble + "B?", "tenant-1")
+    )
+    assert routing_key(call(preamble, "tenant-1")) != routing_key(call(preamble, "tenant-2"))
+    assert routing_key(call(preamble, "tenant-1")) != routing_key(call(preamble))
+    # No salt: the key is the content's alone, as before salts existed.
+    assert routing_key(call(preamble)) == "text:" + preamble[:KEY_CHARS]
+    # A salt cannot spell another salt followed by content.
+    assert routing_key(call("x", "a")) != routing_key(call("", "a|text:x"))
+    chat = pb.GenerateRequest(params=pb.GenerationParams(cache_salt="t"))
+    chat.chat.messages.add(role="user", content="Hi")
+    plain = pb.GenerateRequest()
+    plain.chat.messages.add(role="user", content="Hi")
+    assert routing_key(chat) != routing_key(plain)
+    ring = HashRing(NODES)
+    tenants = Counter(next(ring.walk(routing_key(call(preamble, f"t{i}")))) for i in range(400))
+    assert set(tenants) == set(NODES)
+    assert max(tenants.values()) < 0.4 * 400  # an even split is 25 % each
+
+
 def test_choose_prefers_the_keys_own_plane() -> None:
     order = ["a", "b", "c"]
     up = dict.fromkeys(order, True)
