@@ -297,7 +297,8 @@ class ControlEngine:
                     )
                     raise PlaneUnfit(
                         f"compute plane {plane.address} serves {d.model_name} "
-                        f"({key} {mine[key]}), not {od.model_name} ({key} {theirs[key]}) {does}"
+                        f"({key} {mine[key]}), not {od.model_name} ({key} {theirs[key]}) {does}",
+                        "shape",
                     )
             served = (
                 "it served for the requests that wait for it"
@@ -307,7 +308,8 @@ class ControlEngine:
             if vocab.differ(od.vocab_fingerprint, d.vocab_fingerprint):
                 raise PlaneUnfit(
                     f"compute plane {plane.address} serves {d.model_name}, whose vocabulary "
-                    f"is not that of {od.model_name}, which {served}"
+                    f"is not that of {od.model_name}, which {served}",
+                    "vocabulary",
                 )
             # The same shape and vocabulary, other weights (another fine-tune): a request
             # moved between them would go on under other weights.
@@ -315,14 +317,16 @@ class ControlEngine:
             if why is not None:
                 raise PlaneUnfit(
                     f"compute plane {plane.address} serves {d.model_name}, whose weights are "
-                    f"not those of {od.model_name}, which {served}: {why}"
+                    f"not those of {od.model_name}, which {served}: {why}",
+                    "weights",
                 )
         if vocab.differ(self.vocab, d.vocab_fingerprint):
             same, compared = vocab.agreement(self.vocab, d.vocab_fingerprint)
             raise PlaneUnfit(
                 f"--model {self.config.model}: the compute plane at {plane.address} serves "
                 f"{d.model_name}, whose vocabulary is not this tokenizer's ({same} of "
-                f"{compared} blocks of {vocab.BLOCK} token ids agree)"
+                f"{compared} blocks of {vocab.BLOCK} token ids agree)",
+                "tokenizer",
             )
         plane.checked = d
 

@@ -102,6 +102,12 @@ steps = Counter(
     (*P, "planned_ahead"),
 )
 compute_attached = Gauge("hetero_compute_attached", "1 while the compute plane is attached", P)
+compute_unfit = Gauge(
+    "hetero_compute_unfit",
+    "1 while the compute plane is refused for this reason (speculation, shape, vocabulary, "
+    "weights, tokenizer: it cannot serve what this control plane is configured for)",
+    (*P, "reason"),
+)
 routed = Counter(
     "hetero_routed_requests",
     "Requests placed on a compute plane, by why: prefix (longest prefix-cache hit), load "
@@ -114,7 +120,7 @@ routed = Counter(
 # The series labelled with a compute plane (`compute`), removed when it leaves.
 PER_COMPUTE = [
     requests_running, requests_waiting, kv_cache_usage, preemptions, prefix_queries,
-    prefix_hits, steps, compute_attached, routed,
+    prefix_hits, steps, compute_attached, compute_unfit, routed,
 ]  # fmt: skip
 
 

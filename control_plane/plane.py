@@ -71,7 +71,19 @@ class PlaneUnfit(ComputeLinkError):
     (speculative decoding it cannot verify or draft), serves another model than the
     compute planes attached, or a model of another vocabulary than this control plane's
     tokenizer: it is not attached (its step stream closed, free for another
-    control plane), one ERROR line says why, and it is tried again."""
+    control plane), one ERROR line says why, the gauge hetero_compute_unfit{reason} is 1
+    for it, and it is tried again. `reason` is one of UNFIT_REASONS."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        assert reason in UNFIT_REASONS, reason
+        self.reason = reason
+
+
+# Why a compute plane was refused (a bounded label set): it cannot run the configured
+# speculation, its model's shape, vocabulary or weights are not those of the planes
+# attached, or its vocabulary is not this control plane's tokenizer's.
+UNFIT_REASONS = ("speculation", "shape", "vocabulary", "weights", "tokenizer")
 
 
 class _Leave(Exception):
@@ -285,6 +297,7 @@ class ComputePlane:
         self.attached.set()
         self.refused = False
         self._unfit = None
+        self._unfit_gauge(None)
         self.engine.plane_attached(self)
         log.info(
             "attached compute plane %s: %s on %s, %d blocks of %d, max_model_len %d, "
@@ -308,12 +321,14 @@ class ComputePlane:
         if d.max_speculative_tokens < 1:
             raise PlaneUnfit(
                 f"--speculative {spec.method}: the compute plane at {self.address} verifies "
-                "no proposals (its --max-speculative-tokens is 0)"
+                "no proposals (its --max-speculative-tokens is 0)",
+                "speculation",
             )
         if spec.method == "draft" and not d.draft_model:
             raise PlaneUnfit(
                 f"--speculative draft: the compute plane at {self.address} holds no draft "
-                "model (start it with --draft-model)"
+                "model (start it with --draft-model)",
+                "speculation",
             )
         if spec.num_tokens > d.max_speculative_tokens:
             log.warning(
@@ -366,6 +381,7 @@ class ComputePlane:
                 now = time.monotonic()
                 if isinstance(e, PlaneUnfit):  # (tried again, in case it is restarted)
                     await self.client.detach()
+                    self._unfit_gauge(e.reason)
                     if self._unfit != str(e):
                         log.error("compute plane %s not attached: %s", self.address, e)
                     self._unfit = str(e)
@@ -438,6 +454,12 @@ class ComputePlane:
                     return
                 await asyncio.sleep(min(2.0**failures, 60.0))
                 failures += 1
+
+    def _unfit_gauge(self, reason: str | None) -> None:
+        """hetero_compute_unfit: 1 for the reason its last attach refused it, 0 for the
+        others (all 0 once attached)."""
+        for r in UNFIT_REASONS:
+            metrics.compute_unfit.labels(**self.plane_labels, reason=r).set(1 if r == reason else 0)
 
     def _detach(self) -> None:
         """The step stream is over: keep the requests (parked), drop the block pool."""

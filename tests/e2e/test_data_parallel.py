@@ -531,6 +531,10 @@ def test_an_unfit_compute_plane_met_first_does_not_stop_the_start_up(tmp_path: P
             assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
         url = f"http://127.0.0.1:{cmetrics}/metrics"
         assert _metric(url, "hetero_compute_attached", compute=gemma) == 0
+        # Refused as of another vocabulary than this control plane's tokenizer, and only so.
+        assert _metric(url, "hetero_compute_unfit", compute=gemma, reason="tokenizer") == 1
+        assert _metric(url, "hetero_compute_unfit", compute=gemma, reason="shape") == 0
+        assert _metric(url, "hetero_compute_unfit", compute=smol, reason="tokenizer") == 0
 
 
 def test_the_same_model_in_another_form_attaches_beside_it_another_size_does_not(
@@ -581,6 +585,9 @@ def test_the_same_model_in_another_form_attaches_beside_it_another_size_does_not
         assert _metric(url, "hetero_compute_attached", compute=gguf) == 1
         assert _metric(url, "hetero_compute_attached", compute=hf) == 1
         assert _metric(url, "hetero_compute_attached", compute=tiny) == 0
+        assert _metric(url, "hetero_compute_unfit", compute=tiny, reason="shape") == 1
+        assert _metric(url, "hetero_compute_unfit", compute=tiny, reason="weights") == 0
+        assert _metric(url, "hetero_compute_unfit", compute=hf, reason="shape") == 0
         # Both serve: enough requests at once that each plane takes some.
         with grpc.insecure_channel(control) as ch, ThreadPoolExecutor(8) as pool:
             stub = pb_grpc.ControlPlaneStub(ch)
@@ -625,6 +632,8 @@ def test_a_compute_plane_with_other_weights_of_the_same_shape_is_refused(
         assert _metric(url, "hetero_compute_attached", compute=a) == 1
         assert _metric(url, "hetero_compute_attached", compute=a2) == 1
         assert _metric(url, "hetero_compute_attached", compute=b) == 0
+        assert _metric(url, "hetero_compute_unfit", compute=b, reason="weights") == 1
+        assert _metric(url, "hetero_compute_unfit", compute=b, reason="shape") == 0
         with grpc.insecure_channel(control) as ch:
             assert len(generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0])
         # Left free: a control plane of the other weights drives it.
