@@ -100,14 +100,21 @@ class ControlEngine:
         tokenizer: TokenizerWrapper,
         link: ComputeLink | None = None,
         model_name: str = "unknown",
+        grammars: Grammars | None = None,
     ) -> None:
         """`link`: drive this one compute plane (offline, benchmarks, tests); without it
         the engine drives the compute planes `config.compute` names (a list; host names
         resolve to every address, re-resolved while it runs).
-        `model_name`: the served model's id (ModelInfo's), the metrics' model_name label."""
+        `model_name`: the served model's id (ModelInfo's), the metrics' model_name label.
+        `grammars`: compiled grammars to share with earlier engines of this tokenizer
+        (OfflineLLM's generates), else a cache of `config.grammar_cache_mb` of its own."""
         self.config = config
         self.tokenizer = tokenizer
-        self.grammars = Grammars(tokenizer, config.grammar_cache_mb * 2**20)
+        self.grammars = (
+            grammars
+            if grammars is not None
+            else Grammars(tokenizer, config.grammar_cache_mb * 2**20)
+        )
         # What a compute plane's model must have (check_model); built here, not in the
         # event loop at the first attach.
         self.vocab = tokenizer.vocab_fingerprint

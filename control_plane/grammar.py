@@ -229,7 +229,10 @@ class Grammars:
         key = spec_key(spec)
         if self._cached(key) is not None:
             return
-        if (compiling := self._compiling.get(key)) is None:  # one compile for a burst
+        compiling = self._compiling.get(key)
+        if compiling is not None and compiling.get_loop() is not asyncio.get_running_loop():
+            compiling = None  # (left by an event loop that ended: OfflineLLM's generate)
+        if compiling is None:  # one compile for a burst
             compiling = asyncio.ensure_future(self._compile_off_loop(spec, key))
             self._compiling[key] = compiling
             compiling.add_done_callback(functools.partial(self._compiled, key))
@@ -251,10 +254,21 @@ class Grammars:
         many compiles wait for it."""
         if self._lltok is not None:
             return self._lltok
-        if self._building is None:
+        loop = asyncio.get_running_loop()
+        building = self._building
+        if building is None or building.get_loop() is not loop:
             build = functools.partial(llguidance_view, self.tokenizer)
-            self._building = asyncio.get_running_loop().run_in_executor(self._compiler, build)
-        self._lltok = await asyncio.shield(self._building)
+            building = self._building = loop.run_in_executor(self._compiler, build)
+        try:
+            self._lltok = await asyncio.shield(building)
+        except Exception as e:
+            # The requests that waited fail; the next one builds it again (it stuck: every
+            # later constrained request failed with this error).
+            if self._building is building:
+                self._building = None
+            raise RuntimeError(
+                f"structured output: building llguidance's view of the vocabulary failed: {e}"
+            ) from e
         return self._lltok
 
     def _cached(self, key: bytes) -> llg.LLMatcher | None:

@@ -36,6 +36,7 @@ from control_plane.chat_template import read_chat_template
 from control_plane.compute_client import InProcessLink, StepFailed
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
+from control_plane.grammar import Grammars
 from control_plane.outputs import GenerateStream
 from control_plane.scheduler import AdmissionError
 from control_plane.server import generation_defaults, template_tool_calls
@@ -90,6 +91,9 @@ class OfflineLLM:
         if self.control_config.chat_template:  # (as the control plane's serve takes it)
             self.tokenizer.chat_template = read_chat_template(self.control_config.chat_template)
         self.model_name = model_display_name(path)
+        # Compiled grammars for the OfflineLLM's life: each generate's control engine
+        # shares them, so a schema given again is not compiled again.
+        self._grammars = Grammars(self.tokenizer, self.control_config.grammar_cache_mb * 2**20)
         self._sampling_defaults = generation_defaults(path)  # (the control plane's reader)
         self.engine = Engine(self.compute_config, load_for(self.compute_config, path))
         self.engine.warmup()
@@ -237,6 +241,7 @@ class OfflineLLM:
             self.tokenizer,
             in_process_link(self.engine),
             model_name=self.model_name,
+            grammars=self._grammars,
         )
         control.warm_up()  # (once per OfflineLLM: the engines of its tokenizer share it)
         await control.start()

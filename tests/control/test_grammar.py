@@ -502,6 +502,14 @@ def test_offline_llm_builds_the_vocabulary_view_once_for_all_its_generates(
         return vocab(tokenizer)
 
     monkeypatch.setattr(grammar_module, "_LLGuidanceVocab", counted)
+    compiled: list[str] = []
+    build = grammar_module._build
+
+    def compile_counted(spec: pb.StructuredOutput, lltok: object) -> object:
+        compiled.append(spec.regex)
+        return build(spec, lltok)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar_module, "_build", compile_counted)
     regex = "[0-9]{2}-[a-z]{3}"
     params = pb.GenerationParams(
         max_tokens=20, temperature=0.0, structured=pb.StructuredOutput(regex=regex)
@@ -511,3 +519,43 @@ def test_offline_llm_builds_the_vocabulary_view_once_for_all_its_generates(
             (out,) = llm.generate("A code:", params)
             assert re.fullmatch(regex, out.texts[0]), out.texts
     assert built == [49152]
+    # One grammar cache for the OfflineLLM's life: the second generate's schema was
+    # compiled by the first (each generate started with an empty cache).
+    assert compiled == [regex]
+
+
+def test_a_failed_lazy_vocabulary_view_is_built_again_by_the_next_request(
+    tok: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With --no-grammar-warmup the first constrained request builds llguidance's view.
+    When that build fails, the requests that waited for it get an error naming
+    structured output, and the next request builds it again: the failed build stuck,
+    and every later constrained request failed with it."""
+    from control_plane.config import ControlConfig
+    from control_plane.engine import ControlEngine
+
+    view = grammar_module.llguidance_view
+    calls: list[int] = []
+
+    def flaky(tokenizer: TokenizerWrapper) -> object:
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("out of memory (a stand-in failure)")
+        return view(tokenizer)
+
+    monkeypatch.setattr(grammar_module, "llguidance_view", flaky)
+    engine = ControlEngine(ControlConfig(metrics_port=-1, grammar_warmup=False), tok)
+    engine.warm_up()
+    params = pb.GenerationParams(structured=pb.StructuredOutput(regex="[0-9]{3}"))
+
+    async def two_requests() -> str:
+        with pytest.raises(RuntimeError) as failed:
+            await asyncio.gather(engine.prepare(params), engine.prepare(params))
+        await engine.prepare(params)
+        return str(failed.value)
+
+    message = asyncio.run(two_requests())
+    assert "structured output" in message and "out of memory" in message, message
+    assert len(calls) == 2  # (the two that waited shared the first build)
+    assert engine.grammars.warmed
+    assert engine.grammars.start(params.structured).mask is not None
