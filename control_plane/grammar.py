@@ -187,7 +187,7 @@ class Grammars:
         self._cached_bytes = 0
         self._executor: llg.LLExecutor | None = None
         self._compiler = side_lane("grammar")
-        self._compiling: dict[bytes, asyncio.Future[None]] = {}  # by spec key
+        self._compiling: dict[bytes, asyncio.Future[llg.LLMatcher]] = {}  # by spec key
         self._building: asyncio.Future[llg.LLTokenizer] | None = None  # the view, off the loop
 
     def warm(self) -> None:
@@ -236,18 +236,23 @@ class Grammars:
             compiling = asyncio.ensure_future(self._compile_off_loop(spec, key))
             self._compiling[key] = compiling
             compiling.add_done_callback(functools.partial(self._compiled, key))
-        await asyncio.shield(compiling)  # (a waiter that goes away leaves it to the others)
+        m = await asyncio.shield(compiling)  # (a waiter that goes away leaves it to others)
+        # Other compiles may have evicted it since it was stored: put it back (newest, so
+        # kept whatever its size). Callers admit the request without awaiting again, so
+        # `start` finds it, and admission never compiles it again on the loop.
+        if self._cached(key) is None:
+            self._store(key, m)
 
-    def _compiled(self, key: bytes, compiling: asyncio.Future[None]) -> None:
+    def _compiled(self, key: bytes, compiling: asyncio.Future[llg.LLMatcher]) -> None:
         if self._compiling.get(key) is compiling:
             del self._compiling[key]
         if not compiling.cancelled():
             compiling.exception()  # each waiter has it; none may be left to read it
 
-    async def _compile_off_loop(self, spec: pb.StructuredOutput, key: bytes) -> None:
+    async def _compile_off_loop(self, spec: pb.StructuredOutput, key: bytes) -> llg.LLMatcher:
         lltok = await self._view()
         m = await asyncio.get_running_loop().run_in_executor(self._compiler, _build, spec, lltok)
-        self._store(key, m)
+        return self._store(key, m)
 
     async def _view(self) -> llg.LLTokenizer:
         """`lltok`, built off the loop when not warmed (--no-grammar-warmup), once however

@@ -397,6 +397,39 @@ def test_a_failed_matcher_leaves_the_cache_and_its_bytes(tok: TokenizerWrapper) 
     assert grammars.cached_bytes == _estimate(2)
 
 
+def test_a_grammar_evicted_while_its_request_waited_is_not_compiled_again(
+    tok: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's grammar compiled off the loop can be evicted (other compiles fill the
+    cache) before the request resumes to be admitted: admission then compiled it again on
+    the event loop, stalling every stream. `prepare` puts it back, so admitting the
+    request compiles nothing (counted compiles: one per spec)."""
+    built: list[str] = []
+    build = grammar_module._build
+
+    def counted(spec: pb.StructuredOutput, lltok: object) -> object:
+        built.append(spec.regex)
+        return build(spec, lltok)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar_module, "_build", counted)
+    g = Grammars(tok, cache_bytes=1)  # (room for the newest only)
+    g.bind(tok.vocab_size, frozenset(tok.eos_token_ids))
+    a, b = pb.StructuredOutput(regex="[0-9]{4}"), pb.StructuredOutput(regex="[a-z]{4}")
+
+    async def request() -> None:
+        waiting = asyncio.ensure_future(g.prepare(a))
+        await asyncio.sleep(0)  # (its compile is under way)
+        # Another compile stores its grammar the moment a's is done, before a's request
+        # resumes: a is evicted.
+        g._compiling[grammar_module.spec_key(a)].add_done_callback(lambda _: g.compile(b))
+        await waiting
+        g.start(a)  # admission, with no await in between (as the server admits)
+
+    asyncio.run(request())
+    assert built == [a.regex, b.regex]
+    assert g.cached_keys() == [a.SerializeToString()]
+
+
 def test_warm_up_builds_the_vocabulary_view_before_any_request(
     tok: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch
 ) -> None:
