@@ -45,6 +45,20 @@ def grammars(tok: TokenizerWrapper) -> Grammars:
     return g
 
 
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The regex of each spec compiled from now on (grammar._build counted)."""
+    built: list[str] = []
+    build = grammar_module._build
+
+    def counted(spec: pb.StructuredOutput, lltok: object) -> object:
+        built.append(spec.regex)
+        return build(spec, lltok)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar_module, "_build", counted)
+    return built
+
+
 def _allowed(m: cpb.TokenMask) -> list[int]:
     """The allowed ids of a wire mask, sorted (numpy: for a whole vocabulary per step)."""
     if m.bitmask:
@@ -398,20 +412,12 @@ def test_a_failed_matcher_leaves_the_cache_and_its_bytes(tok: TokenizerWrapper) 
 
 
 def test_a_grammar_evicted_while_its_request_waited_is_not_compiled_again(
-    tok: TokenizerWrapper, monkeypatch: pytest.MonkeyPatch
+    tok: TokenizerWrapper, compiles: list[str]
 ) -> None:
     """A request's grammar compiled off the loop can be evicted (other compiles fill the
     cache) before the request resumes to be admitted: admission then compiled it again on
     the event loop, stalling every stream. `prepare` puts it back, so admitting the
     request compiles nothing (counted compiles: one per spec)."""
-    built: list[str] = []
-    build = grammar_module._build
-
-    def counted(spec: pb.StructuredOutput, lltok: object) -> object:
-        built.append(spec.regex)
-        return build(spec, lltok)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(grammar_module, "_build", counted)
     g = Grammars(tok, cache_bytes=1)  # (room for the newest only)
     g.bind(tok.vocab_size, frozenset(tok.eos_token_ids))
     a, b = pb.StructuredOutput(regex="[0-9]{4}"), pb.StructuredOutput(regex="[a-z]{4}")
@@ -426,7 +432,7 @@ def test_a_grammar_evicted_while_its_request_waited_is_not_compiled_again(
         g.start(a)  # admission, with no await in between (as the server admits)
 
     asyncio.run(request())
-    assert built == [a.regex, b.regex]
+    assert compiles == [a.regex, b.regex]
     assert g.cached_keys() == [a.SerializeToString()]
 
 
@@ -519,7 +525,7 @@ def test_the_model_s_eos_ids_are_mapped_onto_the_view_s_one(
 
 
 def test_offline_llm_builds_the_vocabulary_view_once_for_all_its_generates(
-    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+    smollm2_path: Path, monkeypatch: pytest.MonkeyPatch, compiles: list[str]
 ) -> None:
     """OfflineLLM makes a control engine per generate: they share the view of its
     tokenizer (each built its own before, seconds a generate with Gemma 3's)."""
@@ -535,14 +541,6 @@ def test_offline_llm_builds_the_vocabulary_view_once_for_all_its_generates(
         return vocab(tokenizer)
 
     monkeypatch.setattr(grammar_module, "_LLGuidanceVocab", counted)
-    compiled: list[str] = []
-    build = grammar_module._build
-
-    def compile_counted(spec: pb.StructuredOutput, lltok: object) -> object:
-        compiled.append(spec.regex)
-        return build(spec, lltok)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(grammar_module, "_build", compile_counted)
     regex = "[0-9]{2}-[a-z]{3}"
     params = pb.GenerationParams(
         max_tokens=20, temperature=0.0, structured=pb.StructuredOutput(regex=regex)
@@ -554,7 +552,7 @@ def test_offline_llm_builds_the_vocabulary_view_once_for_all_its_generates(
     assert built == [49152]
     # One grammar cache for the OfflineLLM's life: the second generate's schema was
     # compiled by the first (each generate started with an empty cache).
-    assert compiled == [regex]
+    assert compiles == [regex]
 
 
 def test_a_failed_lazy_vocabulary_view_is_built_again_by_the_next_request(
