@@ -26,17 +26,6 @@ def stack() -> Iterator[FullStack]:
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(stack: FullStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    (m,) = client.models.list().data
-    return m.id
-
-
 def _cached(usage: Any) -> int:
     details = usage.prompt_tokens_details  # (left out when nothing was cached)
     return 0 if details is None else details.cached_tokens

@@ -30,17 +30,6 @@ def stack() -> Iterator[FullStack]:
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(stack: FullStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    (m,) = client.models.list().data
-    return m.id
-
-
 def _pool(stack: FullStack) -> pb.EngineStats:
     with grpc.insecure_channel(stack.control) as ch:
         return pb_grpc.ControlPlaneStub(ch).ModelInfo(pb.ModelInfoRequest(detailed=True)).stats

@@ -36,20 +36,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FullStack]:
 
 
 @pytest.fixture(scope="module")
-def client(stack: FullStack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
 def http(stack: FullStack) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.url, timeout=60) as h:
         yield h
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    (m,) = client.models.list().data
-    return m.id
 
 
 def _ids(http: httpx.Client, text: str) -> list[int]:

@@ -39,12 +39,6 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    (m,) = client.models.list().data
-    return m.id
-
-
 def _parallel(fn: Callable[[Any], Any], jobs: list[Any], workers: int = 16) -> list[Any]:
     with ThreadPoolExecutor(workers) as ex:
         return list(ex.map(fn, jobs))
