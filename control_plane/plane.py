@@ -264,6 +264,12 @@ class ComputePlane:
     async def _attach(self) -> None:
         try:
             await self._attach_checked()
+        except ComputeLinkError as e:
+            # Its model passed the check (`checked`), then the attach failed otherwise
+            # (another control plane drives it, the link dropped): it is unfit no more.
+            if self.checked is not None and not isinstance(e, PlaneUnfit):
+                self._fits()
+            raise
         finally:
             self.checked = None
 
@@ -296,8 +302,7 @@ class ComputePlane:
         metrics.compute_attached.labels(**self.plane_labels).set(1)
         self.attached.set()
         self.refused = False
-        self._unfit = None
-        self._unfit_gauge(None)
+        self._fits()
         self.engine.plane_attached(self)
         log.info(
             "attached compute plane %s: %s on %s, %d blocks of %d, max_model_len %d, "
@@ -455,9 +460,14 @@ class ComputePlane:
                 await asyncio.sleep(min(2.0**failures, 60.0))
                 failures += 1
 
+    def _fits(self) -> None:
+        """Its model passed the check: no longer refused as unfit."""
+        self._unfit = None
+        self._unfit_gauge(None)
+
     def _unfit_gauge(self, reason: str | None) -> None:
         """hetero_compute_unfit: 1 for the reason its last attach refused it, 0 for the
-        others (all 0 once attached)."""
+        others (all 0 once its model passed the check)."""
         for r in UNFIT_REASONS:
             metrics.compute_unfit.labels(**self.plane_labels, reason=r).set(1 if r == reason else 0)
 

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from control_plane.config import ControlConfig
 from control_plane.engine import ControlEngine
+from control_plane.plane import UNFIT_REASONS
 from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
 from hetero_common import weights
 from hetero_infer.local import free_port
@@ -35,12 +37,17 @@ class _Compute(pb_grpc.ComputePlaneServicer):
         self.resets = 0
         self.steps = 0  # steps received (a step ends the stream with `die_at_step`)
         self.die_at_step = False
+        self.driven = False  # another control plane drives it: Reset is refused
 
     async def Describe(self, request: pb.DescribeRequest, context: object) -> pb.DescribeResponse:
         return self.description
 
-    async def Reset(self, request: pb.ResetRequest, context: object) -> pb.ResetResponse:
+    async def Reset(
+        self, request: pb.ResetRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetResponse:
         self.resets += 1
+        if self.driven:  # (as compute_plane.server refuses a second control plane)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "driven elsewhere")
         await asyncio.sleep(self.reset_delay)
         return pb.ResetResponse()
 
@@ -243,3 +250,55 @@ def test_a_plane_of_another_model_does_not_take_the_requests_waiting_for_a_lost_
     attached, steps = asyncio.run(run())
     assert not attached
     assert steps == 0
+
+
+def _unfit(address: str) -> dict[str, float | None]:
+    """hetero_compute_unfit{compute=address} by reason."""
+    return {
+        r: REGISTRY.get_sample_value(
+            "hetero_compute_unfit", {"model_name": "unknown", "compute": address, "reason": r}
+        )
+        for r in UNFIT_REASONS
+    }
+
+
+def test_a_refused_plane_that_now_fits_is_no_longer_reported_unfit(
+    tokenizer: TokenizerWrapper, smollm2_path: Path
+) -> None:
+    """A compute plane of another vocabulary is refused: hetero_compute_unfit is 1 for it
+    (reason "vocabulary" or "tokenizer"). It is restarted with the right model, but another control
+    plane drives it now (its Reset is refused, FAILED_PRECONDITION): it passed this control
+    plane's check, so it is unfit no more and every reason reads 0. The gauge kept the old
+    reason at 1 (an alert on it fired for a plane that fits) until it attached here."""
+
+    async def run() -> tuple[dict[str, float | None], dict[str, float | None], bool]:
+        fit = _Compute(_describe(tokenizer))
+        other = _Compute(_describe(tokenizer, other_vocab=True))
+        async with _planes(fit, other) as (first, address):
+            cfg = ControlConfig(
+                model=str(smollm2_path), metrics_port=-1, compute=f"{first},{address}"
+            )
+            control = ControlEngine(cfg, tokenizer)
+            await control.start()
+            try:
+                await asyncio.wait_for(control.first_attached(), 10)
+                plane = control.planes[address]
+                while plane.unfit is None:
+                    await asyncio.sleep(0.02)
+                before = _unfit(address)
+                other.description, other.driven = _describe(tokenizer), True
+                resets = other.resets
+                while other.resets == resets:  # (its check passed; its Reset is refused)
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.1)
+                return before, _unfit(address), plane.attached.is_set()
+            finally:
+                await control.stop()
+
+    before, after, attached = asyncio.run(run())
+    # Refused as of another vocabulary: the fit plane's (when that one was checked first)
+    # or this control plane's tokenizer's.
+    assert [r for r, v in before.items() if v] in (["vocabulary"], ["tokenizer"]), before
+    assert set(before.values()) == {0.0, 1.0}, before
+    assert after == dict.fromkeys(UNFIT_REASONS, 0.0), after
+    assert not attached
