@@ -3,9 +3,9 @@
 Each control plane has its own prefix cache, so requests that share a long prefix (a
 system prompt, a few-shot preamble, the earlier turns of a conversation) should meet on
 the same one. The gateway does not tokenize, so the key is the request's leading
-content as it arrives, with its cache_salt (`routing_key`), placed on a consistent-hash ring with virtual
-nodes (`HashRing`): adding or removing one of N planes moves only ~1/N of the keys, so
-the caches of the others stay warm.
+content as it arrives, behind its cache_salt (`routing_key`), placed on a consistent-hash
+ring with virtual nodes (`HashRing`): adding or removing one of N planes moves only ~1/N
+of the keys, so the caches of the others stay warm.
 
     ring:  ...──a#7──b#2──[key]──b#40──a#3──c#9──...
                             └──▶ walk: b, a, c   (distinct planes in ring order)

@@ -91,9 +91,10 @@ class OfflineLLM:
         if self.control_config.chat_template:  # (as the control plane's serve takes it)
             self.tokenizer.chat_template = read_chat_template(self.control_config.chat_template)
         self.model_name = model_display_name(path)
-        # Compiled grammars for the OfflineLLM's life: each generate's control engine
-        # shares them, so a schema given again is not compiled again.
-        self._grammars = Grammars(self.tokenizer, self.control_config.grammar_cache_mb * 2**20)
+        # Compiled grammars for the OfflineLLM's life (the first generate's control
+        # engine makes them, the later ones share them): a schema given again is not
+        # compiled again.
+        self._grammars: Grammars | None = None
         self._sampling_defaults = generation_defaults(path)  # (the control plane's reader)
         self.engine = Engine(self.compute_config, load_for(self.compute_config, path))
         self.engine.warmup()
@@ -243,6 +244,7 @@ class OfflineLLM:
             model_name=self.model_name,
             grammars=self._grammars,
         )
+        self._grammars = control.grammars
         control.warm_up()  # (once per OfflineLLM: the engines of its tokenizer share it)
         await control.start()
         try:
