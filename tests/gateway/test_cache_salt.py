@@ -14,22 +14,10 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.control_planes import ControlPlanes
 from gateway.router import Router
-from tests.gateway.test_serving import MODEL, FakeLink, FakeMux
+from tests.gateway.fake_link import MODEL, FakeLink, FakeMux
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
 ROUTES = [("completions", {"prompt": "Hi"}), ("chat/completions", CHAT)]
-
-
-@pytest.fixture
-def link() -> FakeLink:
-    return FakeLink()
-
-
-@pytest.fixture
-def client(link: FakeLink):  # type: ignore[no-untyped-def]
-    app = create_app(GatewayConfig(port=8000), link)  # type: ignore[arg-type]
-    with TestClient(app) as c:
-        yield c
 
 
 @pytest.mark.parametrize(("route", "body"), ROUTES, ids=["completions", "chat"])
