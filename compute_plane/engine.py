@@ -53,7 +53,7 @@ from compute_plane.requests import (
 from compute_plane.sampler import DeviceSamples, SampleOutput
 from compute_plane.speculative import Drafter, accepted_length
 from hetero_common.logs import split_choice_id
-from hetero_common.model_path import model_display_name, resolve_model_path
+from hetero_common.model_path import model_display_name, resolve_model_path, weights_bytes
 from hetero_common.tracing import RequestSpan, start_span
 from hetero_proto import compute_pb2 as pb
 
@@ -98,6 +98,17 @@ def load_for(config: ComputeConfig, path: Path, progress: bool = False) -> Loade
         quantized=mode in ("gguf", "int8"),
         keep_fp8=mode in ("checkpoint", "fp8", "int8_scaled"),
     )
+
+
+def check_memory_before_loading(config: ComputeConfig, path: Path) -> None:
+    """On the CPU, before any weight is read: ValueError naming both when the weights
+    (their files' size, an estimate; the draft model's too) and --kv-cache-bytes are more
+    than the memory available. Weights too big for the machine otherwise met the OOM
+    killer part way through loading; the KV cache alone is checked again once they are in."""
+    if resolve_device(config.device).type != "cpu":
+        return
+    models = [path, *([resolve_model_path(config.draft_model)] if config.draft_model else [])]
+    check_kv_budget(config.kv_cache_bytes, 1, sum(weights_bytes(m) for m in models))
 
 
 def _return_freed_memory() -> None:

@@ -346,12 +346,15 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 
 def _load_engine(config: ComputeConfig) -> Engine:
     """Load and warm up the model (on the servicer's worker thread)."""
-    from compute_plane.engine import load_for  # heavy imports after the port is bound
+    # heavy imports after the port is bound
+    from compute_plane.engine import check_memory_before_loading, load_for
     from hetero_common.model_path import resolve_model_path
 
     started = time.perf_counter()
     threads.apply(config.num_threads or threads.usable_cpus())
-    engine = Engine(config, load_for(config, resolve_model_path(config.model), progress=True))
+    path = resolve_model_path(config.model)
+    check_memory_before_loading(config, path)
+    engine = Engine(config, load_for(config, path, progress=True))
     engine.warmup()
     metrics.model_load_seconds.labels(**engine.metric_labels).set(time.perf_counter() - started)
     return engine

@@ -134,8 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         compute_args += ["--max-speculative-tokens", k]
     if args.draft_model:
         compute_args += ["--draft-model", args.draft_model]
-    if args.compute_planes > 1:  # (one checks its own KV cache once its weights are in)
-        _check_memory(args.model, args.compute_planes, compute_args)
+    _check_memory(args.model, args.compute_planes, compute_args)
     check_ports([("--port", args.host, args.port)])  # (the metrics ports: above)
     return serve_stack(
         args.model,
@@ -185,11 +184,12 @@ def _check_metrics_ports(port: int, compute: int, control: int, planes: int) -> 
 
 
 def _check_memory(model: str, planes: int, compute_args: list[str]) -> None:
-    """CPU compute planes started together: their weights and KV caches must fit the
-    memory together (each plane checks its own KV cache once loaded, when the others'
-    pools, mapped lazily, hold nothing yet and their weights may not be in yet: the OOM
-    killer came later, as they loaded or the caches filled). The weights are counted at
-    their files' size (a GGUF's matrices stay quantized on the CPU), the draft model's too."""
+    """serve's CPU compute planes, before any starts: their weights and KV caches must fit
+    the memory together (each plane checks its own before loading, when the others' pools,
+    mapped lazily, hold nothing yet and their weights may not be in yet: the OOM killer
+    came later, as they loaded or the caches filled; and a refusal named here comes before
+    any process starts). The weights are counted at their files' size (a GGUF's matrices
+    stay quantized on the CPU), the draft model's too."""
     from compute_plane.config import ComputeConfig
     from compute_plane.host_memory import check_kv_budget
     from hetero_common.model_path import resolve_model_path, weights_bytes

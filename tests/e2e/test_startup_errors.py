@@ -97,7 +97,8 @@ def _running(marker: str) -> list[str]:
 @pytest.mark.parametrize(
     ("flag", "plane", "error"),
     [
-        ("--compute-arg=--block-size=0", "compute plane", "--block-size must be in 1..256"),
+        # (known once the model's shape is read: a block of it is 737280 bytes)
+        ("--compute-arg=--kv-cache-bytes=1000", "compute plane", "--kv-cache-bytes 1000 holds"),
         ("--control-arg=--max-num-seqs=0", "control plane", "--max-num-seqs must be >= 1"),
     ],
 )
@@ -110,6 +111,14 @@ def test_serve_stops_when_a_plane_fails_to_start(flag: str, plane: str, error: s
     assert f"hetero-infer: error: {error}" in r.stderr  # the plane's own line
     assert f"hetero-infer: error: the {plane} exited with status 2 before serving" in r.stderr
     assert not _running(f"--port {port}")  # the gateway, stopped with the others
+
+
+def test_serve_names_a_compute_arg_its_compute_plane_would_refuse_before_starting() -> None:
+    # (serve reads the compute plane's flags for its memory check, before any plane starts)
+    port = free_port()
+    r = _run("serve", "--port", str(port), "--compute-arg=--block-size=0")
+    _refused(r, "--block-size must be in 1..256, got 0")
+    assert "compute_plane" not in r.stderr  # nothing started
 
 
 def test_speculation_a_compute_plane_cannot_do_stops_the_control_plane() -> None:
@@ -285,6 +294,33 @@ def test_serve_counts_the_weights_of_its_compute_planes_before_starting_them() -
     assert f" + the weights, ~{weights} bytes (" in r.stderr, r.stderr
     assert "the model files' size, an estimate" in r.stderr, r.stderr
     assert "compute_plane" not in r.stderr  # nothing started
+
+
+@pytest.mark.parametrize("command", ["compute-plane", "serve"])
+def test_one_compute_planes_weights_count_against_the_memory_before_they_load(
+    command: str,
+) -> None:
+    # One compute plane checked only its KV cache, once its weights were in (serve checked
+    # the weights only for --compute-planes > 1): weights too big for the machine met the
+    # OOM killer part way through loading. The cache here leaves a quarter of the weights
+    # free; with the weights it is three quarters past (a margin for the machine's drift).
+    weights = os.path.getsize(gemma3_gguf())
+    available = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemAvailable:")
+    )
+    kv = available - weights // 4
+    port = ("--port", str(free_port()))
+    if command == "serve":
+        r = _run("serve", *port, "--model", "gemma3", f"--compute-arg=--kv-cache-bytes={kv}")
+        assert "compute_plane" not in r.stderr  # refused before any plane started
+    else:
+        args = ("--metrics-port", "-1", "--model", "gemma3", "--kv-cache-bytes", str(kv))
+        r = _run("compute-plane", *port, *args)
+    _refused(r, f"--kv-cache-bytes {kv} (")
+    # (the check after loading counts the cache alone: the weights are in memory by then)
+    assert f" + the weights, ~{weights} bytes (" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize(
