@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from compute_plane.config import ComputeConfig
-from compute_plane.engine import Engine, load_for
+from compute_plane.engine import Engine, check_memory_before_loading, load_for
 from compute_plane.requests import StepRejected
 from control_plane.chat_template import read_chat_template
 from control_plane.compute_client import InProcessLink, StepFailed
@@ -96,6 +96,7 @@ class OfflineLLM:
         # compiled again.
         self._grammars: Grammars | None = None
         self._sampling_defaults = generation_defaults(path)  # (the control plane's reader)
+        check_memory_before_loading(self.compute_config, path)  # (as a compute plane)
         self.engine = Engine(self.compute_config, load_for(self.compute_config, path))
         self.engine.warmup()
         # One generate at a time: each attaches its own control engine to self.engine,

@@ -257,6 +257,25 @@ def test_an_empty_or_mistyped_model_is_refused_by_name() -> None:
         OfflineLLM(5)  # type: ignore[arg-type]
 
 
+def test_weights_and_a_kv_cache_past_the_memory_are_refused_before_loading() -> None:
+    """As a compute plane: the cache leaves a quarter of the weights free, with the weights
+    it is three quarters past (it loaded them, then named the cache alone)."""
+    from hetero_common.model_path import gemma3_gguf
+
+    weights = os.path.getsize(gemma3_gguf())
+    available = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemAvailable:")
+    )
+    kv = available - weights // 4
+    compute = ComputeConfig(model="gemma3", metrics_port=-1, kv_cache_bytes=kv)
+    with pytest.raises(
+        ValueError, match=rf"^--kv-cache-bytes {kv} \(.*\) \+ the weights, ~{weights} "
+    ):
+        OfflineLLM("gemma3", compute=compute)
+
+
 def test_a_chat_s_messages_are_checked_and_its_tool_calls_read_as_a_chat_request_s(
     smollm2_path: Path,
 ) -> None:
