@@ -65,19 +65,26 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
+def memory_available() -> tuple[str, int] | None:
+    """The memory this process may still take, in bytes, and where that figure comes from:
+    the smaller of MemAvailable and what the cgroup's limit leaves (None: both unknown)."""
+    sources = {
+        "MemAvailable in /proc/meminfo": mem_available(),
+        "what the cgroup's memory limit leaves": cgroup_memory_left(),
+    }
+    known = [(what, n) for what, n in sources.items() if n is not None]
+    return min(known, key=lambda item: item[1]) if known else None
+
+
 def check_kv_budget(budget: int, planes: int = 1, weights: int = 0) -> None:
     """ValueError naming --kv-cache-bytes when `budget` bytes and `weights` bytes (for each
     of `planes` compute planes on this machine: `serve --compute-planes`; `weights`: an
     estimate of the model's in memory, 0 where it is loaded already) are more than this
     process has available (nothing when that is unknown)."""
-    sources = {
-        "MemAvailable in /proc/meminfo": mem_available(),
-        "what the cgroup's memory limit leaves": cgroup_memory_left(),
-    }
-    known = {what: n for what, n in sources.items() if n is not None}
-    if not known:
+    found = memory_available()
+    if found is None:
         return
-    what, available = min(known.items(), key=lambda item: item[1])
+    what, available = found
     total = (budget + weights) * planes
     if total <= available:
         return

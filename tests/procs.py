@@ -8,6 +8,9 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import pytest
+
+from compute_plane.host_memory import memory_available
 from hetero_infer.local import (
     Front,
     child,
@@ -108,3 +111,12 @@ def control_gateway(control_args: list[str], control: str) -> Iterator[str]:
     front = functools.partial(gateway_process, port=port)
     with start_planes([], (control_args, control), front=front) as gw:
         yield _ready(port, gw)
+
+
+def memory_left() -> int:
+    """The bytes a plane started now could take (what its memory checks read:
+    compute_plane.host_memory); the test is skipped where that is unknown."""
+    found = memory_available()
+    if found is None:
+        pytest.skip("the memory available is unknown here (no /proc/meminfo, no cgroup)")
+    return found[1]

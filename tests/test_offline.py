@@ -17,6 +17,7 @@ from compute_plane.config import ComputeConfig
 from control_plane.config import ControlConfig
 from hetero_infer.offline import OfflineLLM
 from hetero_proto import control_pb2 as pb
+from tests.procs import memory_left
 
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time", "Water is", "Red, green,"]
 
@@ -263,11 +264,7 @@ def test_weights_and_a_kv_cache_past_the_memory_are_refused_before_loading() -> 
     from hetero_common.model_path import gemma3_gguf
 
     weights = os.path.getsize(gemma3_gguf())
-    available = next(
-        int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemAvailable:")
-    )
+    available = memory_left()
     kv = available - weights // 4
     compute = ComputeConfig(model="gemma3", metrics_port=-1, kv_cache_bytes=kv)
     with pytest.raises(

@@ -19,7 +19,7 @@ import pytest
 from hetero_common.cpus import usable_cpus
 from hetero_common.model_path import gemma3_gguf
 from hetero_infer.local import free_port, stop_process
-from tests.procs import compute_plane
+from tests.procs import compute_plane, memory_left
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -279,11 +279,7 @@ def test_serve_counts_the_weights_of_its_compute_planes_before_starting_them() -
     if usable_cpus() < 2:
         pytest.skip("--compute-planes 2 needs 2 CPUs")
     weights = os.path.getsize(gemma3_gguf())  # (the file the planes would load)
-    available = next(
-        int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemAvailable:")
-    )
+    available = memory_left()
     # 2 x the cache alone is `weights` short of the memory available, 2 x (cache + the
     # weights) `weights` past it: a margin of the weights either way for what the machine
     # does meanwhile.
@@ -305,11 +301,7 @@ def test_one_compute_planes_weights_count_against_the_memory_before_they_load(
     # OOM killer part way through loading. The cache here leaves a quarter of the weights
     # free; with the weights it is three quarters past (a margin for the machine's drift).
     weights = os.path.getsize(gemma3_gguf())
-    available = next(
-        int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemAvailable:")
-    )
+    available = memory_left()
     kv = available - weights // 4
     port = ("--port", str(free_port()))
     if command == "serve":
@@ -506,11 +498,7 @@ def test_ctrl_c_while_hetero_infer_imports_exits_130_quietly(
 def test_serve_refuses_compute_planes_whose_kv_caches_together_pass_the_memory() -> None:
     # Each of two planes' caches fits alone (0.6 of MemAvailable): each plane's own check
     # passed, both served, and the OOM killer came once the caches filled.
-    available = next(
-        int(line.split()[1]) * 1024
-        for line in Path("/proc/meminfo").read_text().splitlines()
-        if line.startswith("MemAvailable:")
-    )
+    available = memory_left()
     each = int(available * 0.6)
     r = _run(
         "serve",
