@@ -370,6 +370,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's: keep the completion for its dashboards. Nothing is kept here, which is what
+    # false (its default) asks; some clients send it.
+    store: bool | None = None
     # vLLM extensions: how the chat template renders the messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -377,6 +380,13 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: JSONObject | None = None
     # RAG documents, for templates that use them
     documents: list[Annotated[dict[str, Text], AfterValidator(_encodable)]] | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, v: bool | None) -> None:
+        if v:
+            raise ValueError("true is not supported: this server keeps no completions")
+        return None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -366,6 +366,25 @@ def test_an_unimplemented_field_is_a_400_that_names_it(client: TestClient) -> No
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
 
 
+@pytest.mark.parametrize("store", [False, None])
+def test_a_chat_asking_that_nothing_be_stored_is_served(client: TestClient, store: Any) -> None:
+    """OpenAI's `store` (its default false: the completion is not kept) is what this
+    server does anyway; it was a 400 (an unknown field), and some clients send it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "store": store}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "Hello!"
+
+
+def test_a_chat_asking_to_be_stored_is_a_400_naming_store(client: TestClient) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "store": True}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "store"
+    assert error["message"] == "store: true is not supported: this server keeps no completions"
+
+
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 def test_streamed_token_ids_include_those_of_held_back_text(
     client: TestClient, link: FakeLink, route: str
