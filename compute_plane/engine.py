@@ -37,7 +37,7 @@ from compute_plane.device import (
     use_device,
 )
 from compute_plane.gpu_memory import num_blocks_from_free_memory
-from compute_plane.host_memory import check_kv_budget
+from compute_plane.host_memory import check_kv_budget, weights_estimate
 from compute_plane.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from compute_plane.loader import LoadedModel, load_model
 from compute_plane.loader.fingerprint import weights_fingerprint
@@ -53,7 +53,7 @@ from compute_plane.requests import (
 from compute_plane.sampler import DeviceSamples, SampleOutput
 from compute_plane.speculative import Drafter, accepted_length
 from hetero_common.logs import split_choice_id
-from hetero_common.model_path import model_display_name, resolve_model_path, weights_bytes
+from hetero_common.model_path import model_display_name, resolve_model_path
 from hetero_common.tracing import RequestSpan, start_span
 from hetero_proto import compute_pb2 as pb
 
@@ -107,8 +107,7 @@ def check_memory_before_loading(config: ComputeConfig, path: Path) -> None:
     killer part way through loading; the KV cache alone is checked again once they are in."""
     if resolve_device(config.device).type != "cpu":
         return
-    models = [path, *([resolve_model_path(config.draft_model)] if config.draft_model else [])]
-    check_kv_budget(config.kv_cache_bytes, 1, sum(weights_bytes(m) for m in models))
+    check_kv_budget(config.kv_cache_bytes, 1, weights_estimate(path, config.draft_model))
 
 
 def _return_freed_memory() -> None:

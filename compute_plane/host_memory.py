@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hetero_common.model_path import resolve_model_path, weights_bytes
+
 # cgroup v1 writes "no limit" as LONG_MAX rounded down to a page.
 _UNLIMITED = 1 << 62
 
@@ -74,6 +76,14 @@ def memory_available() -> tuple[str, int] | None:
     }
     known = [(what, n) for what, n in sources.items() if n is not None]
     return min(known, key=lambda item: item[1]) if known else None
+
+
+def weights_estimate(model: str | Path, draft_model: str | None = None) -> int:
+    """A compute plane's weights in memory before they load: the model files' size (about
+    right for a GGUF, whose matrices stay quantized on the CPU; low for weights cast wider
+    or dequantized), the draft model's too."""
+    models = [model, *([draft_model] if draft_model else [])]
+    return sum(weights_bytes(resolve_model_path(m)) for m in models)
 
 
 def check_kv_budget(budget: int, planes: int = 1, weights: int = 0) -> None:

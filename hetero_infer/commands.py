@@ -188,21 +188,17 @@ def _check_memory(model: str, planes: int, compute_args: list[str]) -> None:
     the memory together (each plane checks its own before loading, when the others' pools,
     mapped lazily, hold nothing yet and their weights may not be in yet: the OOM killer
     came later, as they loaded or the caches filled; and a refusal named here comes before
-    any process starts). The weights are counted at their files' size (a GGUF's matrices
-    stay quantized on the CPU), the draft model's too."""
+    any process starts). The weights: host_memory.weights_estimate."""
     from compute_plane.config import ComputeConfig
-    from compute_plane.host_memory import check_kv_budget
-    from hetero_common.model_path import resolve_model_path, weights_bytes
+    from compute_plane.host_memory import check_kv_budget, weights_estimate
 
     config = config_from_args(
         ComputeConfig, build_parser().parse_args(["compute-plane", *compute_args])
     )
     if config.device.startswith("cuda"):
         return  # (sized from the GPU's free memory, not --kv-cache-bytes)
-    models = [model, *([config.draft_model] if config.draft_model else [])]
-    weights = sum(weights_bytes(resolve_model_path(m)) for m in models)
     try:
-        check_kv_budget(config.kv_cache_bytes, planes, weights)
+        check_kv_budget(config.kv_cache_bytes, planes, weights_estimate(model, config.draft_model))
     except ValueError:
         if config.device == "auto" and _cuda():  # (torch imported only here: seconds)
             return
