@@ -525,15 +525,17 @@ def test_an_unfit_compute_plane_met_first_does_not_stop_the_start_up(tmp_path: P
         assert f"compute plane {gemma} not attached: " in refusal, refusal
         time.sleep(1.0)  # (it exited within a few ms of that line)
         assert proc.poll() is None, log.read_text()
+        url = f"http://127.0.0.1:{cmetrics}/metrics"
+        # Refused as of another vocabulary than this control plane's tokenizer, and only so
+        # (read before the other plane attaches: tried again beside it, the Gemma plane is
+        # refused for differing from it first, its shape).
+        assert _metric(url, "hetero_compute_unfit", compute=gemma, reason="tokenizer") == 1
+        assert _metric(url, "hetero_compute_unfit", compute=gemma, reason="shape") == 0
         stack.enter_context(child(_compute_cmd(smol_port), smol))
         wait_serving(control, proc)
         with grpc.insecure_channel(control) as ch:
             assert generate(pb_grpc.ControlPlaneStub(ch), greedy([11, 12, 13], 2)).tokens[0]
-        url = f"http://127.0.0.1:{cmetrics}/metrics"
         assert _metric(url, "hetero_compute_attached", compute=gemma) == 0
-        # Refused as of another vocabulary than this control plane's tokenizer, and only so.
-        assert _metric(url, "hetero_compute_unfit", compute=gemma, reason="tokenizer") == 1
-        assert _metric(url, "hetero_compute_unfit", compute=gemma, reason="shape") == 0
         assert _metric(url, "hetero_compute_unfit", compute=smol, reason="tokenizer") == 0
 
 
