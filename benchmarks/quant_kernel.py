@@ -9,8 +9,9 @@ tied lm_head in q8) and each number of rows: the kernel with int16 activations (
 `--activations fp32`, exact, as `--cpu-activations fp32` serves), the same
 weight dequantized + oneDNN's fp32 GEMM (what a dense model runs), and with
 `--compare-ref` the kernel of a git revision (built from `git show REV:...` with the same
-compiler flags, fed the row layout that revision takes; a revision before the blocked
-layout also refuses more than 128 rows). Random codes and scales: the kernel's time does
+compiler flags, fed the row layout and scales that revision takes; a revision before the
+blocked layout also refuses more than 128 rows). Random codes and scales, the scales in
+fp16 as the bundled model's load (`--scales fp32`: as Q4_K's): the kernel's time does
 not depend on the values. Median of repeated calls, alternated; GMAC/s = rows * N * K /
 time. Run it alone on the machine.
 """
@@ -45,19 +46,23 @@ SHAPES = {  # name: (kind, K, N)
 }
 
 
-def _weight(kind: str, k: int, n: int, rng: np.random.Generator) -> QuantWeight:
+def _weight(kind: str, k: int, n: int, rng: np.random.Generator, half: bool) -> QuantWeight:
     if kind == "q4":
         codes = rng.integers(0, 256, size=(n, k // 2), dtype=np.uint8)
         scales = rng.standard_normal((n, k // 32, 2)).astype(np.float32) * 0.05
     else:
         codes = rng.integers(-127, 128, size=(n, k), dtype=np.int8)
         scales = rng.standard_normal((n, k // 32)).astype(np.float32) * 0.01
-    return QuantWeight.pack(kind, torch.from_numpy(codes), torch.from_numpy(scales))
+    if half:  # values fp16 holds: packed with fp16 scales
+        scales = scales.astype(np.float16).astype(np.float32)
+    w = QuantWeight.pack(kind, torch.from_numpy(codes), torch.from_numpy(scales))
+    assert w.half == half
+    return w
 
 
-def _build_ref(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
-    """csrc/quant_linear_cpu.c as it was at `rev`, built as native.py builds it, and
-    whether it takes the blocked ("x16") layout of today's kernel."""
+def _build_ref(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool, bool]:
+    """csrc/quant_linear_cpu.c as it was at `rev`, built as native.py builds it; whether
+    it takes the blocked ("x16") layout of today's kernel, and fp16 scales."""
     src = subprocess.run(
         ["git", "-C", str(ROOT), "show", f"{rev}:compute_plane/csrc/quant_linear_cpu.c"],
         capture_output=True, text=True, check=True,
@@ -67,26 +72,32 @@ def _build_ref(rev: str, out_dir: Path) -> tuple[ctypes.CDLL, bool]:
     subprocess.run(["cc", *COMPILE_FLAGS, str(c), "-o", str(obj)], check=True)
     subprocess.run(["cc", str(obj), "-o", str(lib), *LINK_FLAGS], check=True)
     dll = ctypes.CDLL(str(lib))
+    takes_half = "int half" in src
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("q4_linear_f32", "q8_linear_f32"):
         fn = getattr(dll, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
-        fn.argtypes += [ctypes.c_int64, ctypes.c_int]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, *([ctypes.c_int] if takes_half else [])]
+        fn.argtypes += [ptr, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
-    return dll, 'Layout ("x16")' in src
+    return dll, 'Layout ("x16")' in src, takes_half
 
 
 def _ref_call(
-    ref: tuple[ctypes.CDLL, bool], w: QuantWeight, x: torch.Tensor, exact: bool
+    ref: tuple[ctypes.CDLL, bool, bool], w: QuantWeight, x: torch.Tensor, exact: bool
 ) -> Callable[[], object] | None:
     """The reference kernel on the layout it takes, or None where it refuses the shape."""
-    dll, blocked = ref
-    codes, scales = (w.codes, w.scales) if blocked else w.rows()
+    dll, blocked, takes_half = ref
+    if takes_half:
+        codes, scales = w.codes, w.scales
+    else:  # fp32 scales, blocked or in rows
+        codes, scales = (w.codes, w.scales.float()) if blocked else w.rows()
     n, k = w.shape
     y = torch.empty(x.shape[0], n)
     fn = dll.q4_linear_f32 if w.kind == "q4" else dll.q8_linear_f32
+    half = (w.half,) if takes_half else ()
 
     def call() -> int:
-        args = (x.data_ptr(), x.shape[0], k, codes.data_ptr(), scales.data_ptr(), None)
+        args = (x.data_ptr(), x.shape[0], k, codes.data_ptr(), scales.data_ptr(), *half, None)
         return int(fn(*args, y.data_ptr(), n, int(exact)))
 
     return call if call() == 0 else None
@@ -116,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' kernel")
     ap.add_argument("--budget", type=float, default=0.4, help="seconds per shape and row count")
     ap.add_argument("--activations", choices=("int16", "fp32"), default="int16")
+    ap.add_argument("--scales", choices=("fp16", "fp32"), default="fp16")
     ap.add_argument("--out", type=Path, default=Path("docs/perf/quant_kernel.json"))
     args = ap.parse_args(argv)
     if args.compare_ref and (why := unknown_revision(args.compare_ref)):
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
     act = args.activations
     for name, (kind, k, n) in SHAPES.items():
-        w = _weight(kind, k, n, rng)
+        w = _weight(kind, k, n, rng, args.scales == "fp16")
         dense = w.dequantize()
         for m in map(int, args.rows.split(",")):
             if name == "lm_head" and m > 32:
@@ -160,6 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "compare_ref": args.compare_ref,
         "activations": act,
+        "scales": args.scales,
         "torch_threads": torch.get_num_threads(),
         "results": results,
     }

@@ -40,7 +40,7 @@ _ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 class _DWeight(ctypes.Structure):
-    _fields_ = [(n, _i64) for n in ("kind", "n", "k")] + [
+    _fields_ = [(n, _i64) for n in ("kind", "n", "k", "half")] + [
         (n, _ptr) for n in ("codes", "scales", "bias")
     ]
 
@@ -88,10 +88,10 @@ def _weight(w: Weight, bias: torch.Tensor | None = None) -> _DWeight:
     if isinstance(w, QuantWeight):
         n, k = w.shape
         return _DWeight(
-            _KINDS[w.kind], n, k, w.codes.data_ptr(), w.scales.data_ptr(), _ptr_of(bias)
+            _KINDS[w.kind], n, k, w.half, w.codes.data_ptr(), w.scales.data_ptr(), _ptr_of(bias)
         )
     assert isinstance(w, torch.Tensor), "FP8/INT8 weights do not run the fused CPU step"
-    return _DWeight(0, w.shape[0], w.shape[1], w.data_ptr(), None, _ptr_of(bias))
+    return _DWeight(0, w.shape[0], w.shape[1], 0, w.data_ptr(), None, _ptr_of(bias))
 
 
 def unsupported(model: Model) -> str | None:

@@ -1,9 +1,16 @@
 """Weights that stay quantized in memory, and the CPU linear layers that run on them.
 
 A GGUF file's Q4_0, Q4_1 and Q4_K weights load as `q4` (4-bit codes, a scale and an
-offset per group of 32 input channels: exactly what those formats store), Q8_0 as `q8`
-(int8 codes, a scale per group of 32); other formats (Q6_K, Q5_*, ...) are dequantized
-and re-quantized to `q8`. `--quantization int8` turns dense weights into `q8` too.
+offset per group of 32 input channels: exactly what those formats store), Q8_0 and Q5_0
+as `q8` (int8 codes, a scale per group of 32; Q5_0's 5-bit codes times 8, its scale over
+8: exact too); other formats (Q6_K, Q5_1, ...) are dequantized and re-quantized to `q8`.
+`--quantization int8` turns dense weights into `q8` too.
+
+Scales are kept in fp16 where fp16 holds every one of a weight's exactly (Q4_0, Q4_1,
+Q8_0 and Q5_0 store theirs in fp16; re-quantized `q8` picks fp16 scales where it can),
+else fp32 (Q4_K's d * sc): a decode step is bound by the bytes it reads, and fp16 scales
+take a q4 weight from 0.75 to 0.625 bytes, a q8 one from 1.125 to 1.0625, with the same
+result bit for bit.
 
 Every linear on them runs on the C kernel in `csrc/quant_linear_cpu.c`, which reads the
 codes where they lie (a decode step reads ~0.6-1.1 bytes per weight instead of 4) in
@@ -18,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,11 +67,11 @@ def load_kernels() -> _Kernels:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in ("q4_linear_f32", "q8_linear_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
+        fn.argtypes = [ptr, i64, i64, ptr, ptr, ctypes.c_int, ptr, ptr, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
     for name in ("q4_dequant_f32", "q8_dequant_f32"):
         fn = getattr(lib, name)
-        fn.argtypes = [ptr, ptr, i64, ptr, i64, ptr]
+        fn.argtypes = [ptr, ptr, ctypes.c_int, i64, ptr, i64, ptr]
         fn.restype = None
     for name in ("q4_pack", "q8_pack"):
         fn = getattr(lib, name)
@@ -98,11 +106,13 @@ class QuantWeight:
     q4: codes uint8 [N, K/2] (byte j of a group: element j low, j + 16 high nibble),
         scales fp32 [N, K/32, 2] = (s, b): w = s * code + b.
     q8: codes int8 [N, K], scales fp32 [N, K/32]: w = s * code.
+
+    Packed, the scales are fp16 when fp16 holds them all exactly (`half`), else fp32.
     """
 
     kind: str
     codes: torch.Tensor  # packed: [ceil(N/16), K/32 * 256 (q4) or 512 (q8)] bytes
-    scales: torch.Tensor  # packed: [ceil(N/16), K/32 * 32 (q4) or 16 (q8)] fp32
+    scales: torch.Tensor  # packed: [ceil(N/16), K/32 * 32 (q4) or 16 (q8)] fp16 or fp32
     n: int
     k: int
 
@@ -138,7 +148,12 @@ class QuantWeight:
             codes.data_ptr(), scales.data_ptr(), n, k, None if ids is None else ids.ctypes.data,
             out_codes.data_ptr(), out_scales.data_ptr(),
         )  # fmt: skip
-        return cls(kind, out_codes, out_scales, n, k)
+        return cls(kind, out_codes, _narrow(out_scales), n, k)
+
+    @property
+    def half(self) -> bool:
+        """Whether the scales are fp16 (else fp32)."""
+        return self.scales.dtype == torch.float16
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes, scales) in the row layout."""
@@ -161,8 +176,8 @@ class QuantWeight:
         ks = load_kernels()
         fn = ks.q4_dequant if self.kind == "q4" else ks.q8_dequant
         fn(
-            self.codes.data_ptr(), self.scales.data_ptr(), k, ids.data_ptr(), ids.numel(),
-            out.data_ptr(),
+            self.codes.data_ptr(), self.scales.data_ptr(), self.half, k, ids.data_ptr(),
+            ids.numel(), out.data_ptr(),
         )  # fmt: skip
         return out
 
@@ -178,7 +193,7 @@ class QuantWeight:
         ks = load_kernels()
         fn = ks.q4_linear if self.kind == "q4" else ks.q8_linear
         failed = fn(
-            x2.data_ptr(), m, k, self.codes.data_ptr(), self.scales.data_ptr(),
+            x2.data_ptr(), m, k, self.codes.data_ptr(), self.scales.data_ptr(), self.half,
             None if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), n,
             activations == "fp32",
         )  # fmt: skip
@@ -187,11 +202,18 @@ class QuantWeight:
         return y.reshape(*x.shape[:-1], n)
 
 
+def _narrow(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 scales as fp16 where fp16 holds every one exactly, else as they are."""
+    half = scales.to(torch.float16)
+    return half if torch.equal(half.float(), scales) else scales
+
+
 def _unpack(
     kind: str, codes: np.ndarray, scales: np.ndarray, n: int, k: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The inverse of QuantWeight.pack (csrc/quant_linear_cpu.c's q4_pack / q8_pack)."""
     nb, ng = codes.shape[0], k // GROUP
+    scales = scales.astype(np.float32)
     if kind == "q4":
         b = codes.reshape(nb, ng, 8, BLOCK, 2)
         v = np.stack([b[..., 0] & 0x0F, b[..., 1] & 0x0F, b[..., 0] >> 4, b[..., 1] >> 4], -1)
@@ -217,8 +239,9 @@ def cat(parts: Sequence[Weight]) -> Weight:
         if all(p.n % BLOCK == 0 for p in quant) and len({p.k for p in quant}) == 1:
             # Whole blocks of 16 rows each: the packed blocks simply follow one another.
             codes = torch.cat([p.codes for p in quant])
-            scales = torch.cat([p.scales for p in quant])
-            return QuantWeight(quant[0].kind, codes, scales, sum(p.n for p in quant), quant[0].k)
+            scales = torch.cat([p.scales.float() for p in quant])  # (fp16 if all were)
+            n = sum(p.n for p in quant)
+            return QuantWeight(quant[0].kind, codes, _narrow(scales), n, quant[0].k)
         rows = [p.rows() for p in quant]
         codes, scales = torch.cat([c for c, _ in rows]), torch.cat([s for _, s in rows])
         return QuantWeight.pack(quant[0].kind, codes, scales)
@@ -237,10 +260,18 @@ def _dense(w: QuantWeight | ScaledWeight, dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize_q8(w: torch.Tensor) -> QuantWeight:
-    """Dense [N, K] -> q8, symmetric per group of 32 (K padded: not needed, K % 32 == 0)."""
+    """Dense [N, K] -> q8, symmetric per group of 32 (K padded: not needed, K % 32 == 0).
+
+    Each scale is max|w_g| / 127 rounded up to fp16 (a step at most 2^-10 coarser, and the
+    weight then reads fewer bytes) where every group's is a normal fp16 number; else the
+    weight keeps fp32 scales (a group of tiny weights would lose its precision)."""
     n, k = w.shape
     g = w.detach().float().reshape(n, k // GROUP, GROUP)
     s = g.abs().amax(-1) / 127.0
+    h = s.to(torch.float16)
+    h = torch.where(h.float() < s, torch.nextafter(h, torch.full_like(h, math.inf)), h)
+    if bool(((h == 0) | ((h >= 2.0**-14) & h.isfinite())).all()):
+        s = h.float()
     codes = torch.round(g / s.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
     return QuantWeight.pack("q8", codes.reshape(n, k).contiguous(), s.contiguous())
 
@@ -319,6 +350,8 @@ def from_gguf(
         d = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
         codes = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
         return QuantWeight.pack("q8", torch.from_numpy(codes), torch.from_numpy(d), rows)
+    if qtype == QT.Q5_0:
+        return _q5_0(raw, n, k, rows)
     if qtype == QT.Q4_K:
         return _q4_k(raw, n, k, rows)
     dense = dequantize(raw, qtype).reshape(n, k)
@@ -350,3 +383,18 @@ def _q4_k(raw: np.ndarray, n: int, k: int, rows: np.ndarray | None) -> QuantWeig
     vals = vals.reshape(n * nb * 8, 32)
     packed = vals[:, :16] | (vals[:, 16:] << 4)  # our order: j low, j + 16 high
     return _q4(packed.reshape(n, k // 2), s.reshape(n, -1), b.reshape(n, -1), n, k, rows)
+
+
+def _q5_0(raw: np.ndarray, n: int, k: int, rows: np.ndarray | None) -> QuantWeight:
+    """Q5_0: w = d * (q - 16), q 5 bits (low 4 in qs, element j's in byte j % 16, j < 16
+    in the low nibble; the fifth in bit j of qh). As q8, exactly: codes 8 * (q - 16) in
+    -128..120, scale d / 8."""
+    blocks = raw.reshape(n * (k // GROUP), 22)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)[:, 0] / 8
+    qh = blocks[:, 2:6].copy().view("<u4")  # [blocks, 1]
+    qs = blocks[:, 6:22]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # [blocks, 32]
+    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+    q = low.astype(np.int16) | (high.astype(np.int16) << 4)
+    codes = ((q - 16) * 8).astype(np.int8).reshape(n, k)
+    return QuantWeight.pack("q8", torch.from_numpy(codes), torch.from_numpy(d.reshape(n, -1)), rows)

@@ -30,11 +30,12 @@
 enum { W_DENSE = 0, W_Q4 = 1, W_Q8 = 2 };
 #define MAX_DECODE_ROWS 128 /* decode_cpu.py's FusedDecode.max_rows */
 
-/* A weight [n][k]: dense fp32 rows, or the q4 / q8 layouts of quant_linear_cpu.c. */
+/* A weight [n][k]: dense fp32 rows, or the q4 / q8 layouts of quant_linear_cpu.c (scales
+ * fp16 when `half`, else fp32). */
 typedef struct {
-  int64_t kind, n, k;
+  int64_t kind, n, k, half;
   const void *codes;
-  const float *scales;
+  const void *scales;
   const float *bias; /* NULL or [n] */
 } DWeight;
 
@@ -65,18 +66,20 @@ typedef struct {
  * quant_linear_cpu.c); layer weights are always quantized here (decode_cpu.py). */
 static int apply(const DWeight *w, const float *x, int64_t M, int exact, float *y) {
   if (w->kind == W_Q4)
-    return q4_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n, exact);
+    return q4_linear_f32(x, M, w->k, w->codes, w->scales, (int)w->half, w->bias, y, w->n,
+                         exact);
   if (w->kind == W_Q8)
-    return q8_linear_f32(x, M, w->k, w->codes, w->scales, w->bias, y, w->n, exact);
+    return q8_linear_f32(x, M, w->k, w->codes, w->scales, (int)w->half, w->bias, y, w->n,
+                         exact);
   return 1;
 }
 
 /* Row `id` of the embedding as fp32. */
 static void embed_row(const DWeight *e, int64_t id, float *out) {
   if (e->kind == W_Q4)
-    q4_dequant_f32(e->codes, e->scales, e->k, &id, 1, out);
+    q4_dequant_f32(e->codes, e->scales, (int)e->half, e->k, &id, 1, out);
   else if (e->kind == W_Q8)
-    q8_dequant_f32(e->codes, e->scales, e->k, &id, 1, out);
+    q8_dequant_f32(e->codes, e->scales, (int)e->half, e->k, &id, 1, out);
   else
     memcpy(out, (const float *)e->codes + id * e->k, sizeof(float) * e->k);
 }

@@ -7,7 +7,8 @@
  *
  *   q4: w[n][k] = s[n][g] * q + b[n][g], q in 0..15 (g = k / 32). GGUF Q4_0 (b = -8 d),
  *       Q4_1 (b = m) and Q4_K (per 32-group d*sc, -dmin*m) are exactly this.
- *   q8: w[n][k] = s[n][g] * q, q int8. GGUF Q8_0 exactly; wider formats re-quantized.
+ *   q8: w[n][k] = s[n][g] * q, q int8. GGUF Q8_0 and Q5_0 (q = 8 (q5 - 16), s = d / 8)
+ *       exactly; other formats re-quantized.
  *
  * Layout ("x16"): output channels in blocks of 16 (the last block padded with zeros),
  * so that one 512-bit vector holds a value for each of a block's 16 channels and no
@@ -19,11 +20,18 @@
  *       zero-extended to 16 bits, a record's low nibbles are the (4t, 4t+1) pairs of the
  *       16 channels and its high nibbles the (4t+2, 4t+3) pairs: what a 16-bit pairwise
  *       multiply-add (vpdpwssd / vpmaddwd) takes against x's pair broadcast.
- *       scales: 32 floats, s of the 16 channels then b of the 16.
+ *       scales: 32, s of the 16 channels then b of the 16.
  *   q8 codes: 16 records of 32 bytes, record p: byte 2j, 2j+1 = channel j's inputs 2p,
- *       2p+1. scales: 16 floats.
+ *       2p+1. scales: 16.
  *
- * q4_pack / q8_pack pack it (quant.py unpacks it). Arithmetic, two ways:
+ * Scales are fp32 or fp16 (`half`, one choice for a whole weight): GGUF's Q4_0, Q4_1,
+ * Q5_0 and Q8_0 store theirs in fp16, so quant.py keeps them so where fp16 holds every
+ * value exactly (a decode step is bound by the bytes it reads: 0.625 instead of 0.75 bytes a
+ * weight for q4, 1.0625 instead of 1.125 for q8), and the result is the same bits as with
+ * the same scales in fp32. Q4_K's products d * sc need fp32.
+ *
+ * q4_pack / q8_pack pack it, with fp32 scales (quant.py unpacks it and narrows the
+ * scales). Arithmetic, two ways:
  *
  *   int16: x is rounded once per call to int16 per group of 32 (x ~ dx * xq, |xq| <=
  *       32767, so the rounding is at most 2^-16 of the group's largest value); a group's
@@ -54,7 +62,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #endif
@@ -65,6 +73,35 @@
 #define G 32
 #define NB 16 /* output channels per block */
 #define MAX_TILE 8
+
+/* Scales: fp32, or fp16 when `half`. The offset of element i, and element i as fp32. */
+static inline const void *sc_at(const void *sc, int half, int64_t i) {
+  return (const char *)sc + i * (half ? 2 : 4);
+}
+
+static inline float h2f(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (e == 0) { /* zero or subnormal: man * 2^-24 */
+    const float v = (float)man * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  bits = sign | (e == 31 ? 0x7F800000u : (e + 112) << 23) | (man << 13);
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+static inline float sc_get(const void *sc, int half, int64_t i) {
+  return half ? h2f(((const uint16_t *)sc)[i]) : ((const float *)sc)[i];
+}
+
+#ifdef HAVE_AVX2
+static inline __m256 sc_load8(const void *p, int half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p))
+              : _mm256_loadu_ps((const float *)p);
+}
+#endif
 
 /* The per-call preparation of x: for int16, its int16 form xq with a scale dx per group
  * and sums xs = dx * sum(xq) (the q4 offsets meet the rounded x); for exact, xs = sum(x).
@@ -103,8 +140,11 @@ static int prepare_x(const float *x, int64_t M, int64_t K, int exact, Prepared *
 }
 
 /* ------------------------------------------------------------------ plain C */
-/* One block of 16 channels, one row of x: out[16]. kind 4 or 8; int16 or exact. */
-static void block_c(int kind, int exact, const void *codes, const float *sc, int64_t ng,
+/* One block of 16 channels, one row of x: out[16]. kind 4 or 8; int16 or exact. Never
+ * inlined, and each group's scales read into floats before they are used: one copy of
+ * the sums, so that -ffast-math cannot compile them differently for fp16 and fp32 scales
+ * (the result is the same bits with either). */
+static __attribute__((noinline)) void block_c(int kind, int exact, const void *codes, const void *sc, int half, int64_t ng,
                     const float *x, const int16_t *xq, const float *dx, const float *xs,
                     float *out) {
   float acc[NB] = {0.f};
@@ -136,13 +176,16 @@ static void block_c(int kind, int exact, const void *codes, const float *sc, int
             di[j] += c0 * xq[g * G + 2 * p] + c1 * xq[g * G + 2 * p + 1];
         }
     }
-    const float *s = sc + g * (kind == 4 ? 2 * NB : NB);
+    const int ns = kind == 4 ? 2 * NB : NB;
+    const void *s = sc_at(sc, half, g * ns);
+    float sv[2 * NB];
+    for (int j = 0; j < ns; ++j) sv[j] = sc_get(s, half, j);
     for (int j = 0; j < NB; ++j) {
       if (exact)
-        acc[j] += s[j] * df[j];
+        acc[j] += sv[j] * df[j];
       else
-        acc[j] += (float)di[j] * (s[j] * dx[g]);
-      if (kind == 4) acc[j] += s[NB + j] * xs[g];
+        acc[j] += (float)di[j] * (sv[j] * dx[g]);
+      if (kind == 4) acc[j] += sv[NB + j] * xs[g];
     }
   }
   memcpy(out, acc, sizeof acc);
@@ -158,9 +201,14 @@ static inline __m512i dot_pairs512(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
+static inline __m512 sc_load16(const void *p, int half) {
+  return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p))
+              : _mm512_loadu_ps((const float *)p);
+}
+
 /* MB (1..8, a constant once inlined) rows of x against one block: out[m * ldo + j]. */
 static inline __attribute__((always_inline)) void tile512(
-    int kind, const void *codes, const float *sc, int64_t ng, const int16_t *xq,
+    int kind, const void *codes, const void *sc, int half, int64_t ng, const int16_t *xq,
     const float *dx, const float *xs, int64_t K, const int MB, float *out, int64_t ldo) {
   __m512 acc[MAX_TILE];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
@@ -193,20 +241,20 @@ static inline __attribute__((always_inline)) void tile512(
         }
       }
     }
-    const float *s = sc + g * (kind == 4 ? 2 * NB : NB);
-    const __m512 sv = _mm512_loadu_ps(s);
+    const void *s = sc_at(sc, half, g * (kind == 4 ? 2 * NB : NB));
+    const __m512 sv = sc_load16(s, half);
+    const __m512 bv = kind == 4 ? sc_load16(sc_at(s, half, NB), half) : sv;
     for (int m = 0; m < MB; ++m) {
       const __m512 scale = _mm512_mul_ps(sv, _mm512_set1_ps(dx[m * ng + g]));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[m]), scale, acc[m]);
-      if (kind == 4)
-        acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(s + NB), _mm512_set1_ps(xs[m * ng + g]), acc[m]);
+      if (kind == 4) acc[m] = _mm512_fmadd_ps(bv, _mm512_set1_ps(xs[m * ng + g]), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 #define TILE_ROWS 8
 #define TILE(KIND, MB, OUT, LDO) \
-  tile512(KIND, c, s, ng, p->xq + m * K, p->dx + m * ng, p->xs + m * ng, K, MB, OUT, LDO)
+  tile512(KIND, c, s, half, ng, p->xq + m * K, p->dx + m * ng, p->xs + m * ng, K, MB, OUT, LDO)
 
 /* ------------------------------------------------------------------ AVX2 */
 #elif defined(HAVE_AVX2)
@@ -222,7 +270,7 @@ static inline __m256i dot_pairs256(__m256i acc, __m256i w, __m256i x) {
 
 /* Half h of a block (channels 8h..8h+7), MB (1..4) rows: out[m * ldo + j]. */
 static inline __attribute__((always_inline)) void half256(
-    int kind, const void *codes, const float *sc, int64_t ng, const int16_t *xq,
+    int kind, const void *codes, const void *sc, int half, int64_t ng, const int16_t *xq,
     const float *dx, const float *xs, int64_t K, const int MB, int h, float *out,
     int64_t ldo) {
   __m256 acc[4];
@@ -255,13 +303,13 @@ static inline __attribute__((always_inline)) void half256(
         }
       }
     }
-    const float *s = sc + g * (kind == 4 ? 2 * NB : NB) + 8 * h;
-    const __m256 sv = _mm256_loadu_ps(s);
+    const void *s = sc_at(sc, half, g * (kind == 4 ? 2 * NB : NB) + 8 * h);
+    const __m256 sv = sc_load8(s, half);
+    const __m256 bv = kind == 4 ? sc_load8(sc_at(s, half, NB), half) : sv;
     for (int m = 0; m < MB; ++m) {
       const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(dx[m * ng + g]));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m]), scale, acc[m]);
-      if (kind == 4)
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(s + NB), _mm256_set1_ps(xs[m * ng + g]), acc[m]);
+      if (kind == 4) acc[m] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xs[m * ng + g]), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo + 8 * h, acc[m]);
@@ -269,8 +317,10 @@ static inline __attribute__((always_inline)) void half256(
 #define TILE_ROWS 4
 #define TILE(KIND, MB, OUT, LDO)                                                               \
   do {                                                                                        \
-    half256(KIND, c, s, ng, p->xq + m * K, p->dx + m * ng, p->xs + m * ng, K, MB, 0, OUT, LDO); \
-    half256(KIND, c, s, ng, p->xq + m * K, p->dx + m * ng, p->xs + m * ng, K, MB, 1, OUT, LDO); \
+    half256(KIND, c, s, half, ng, p->xq + m * K, p->dx + m * ng, p->xs + m * ng, K, MB, 0, OUT, \
+            LDO);                                                                             \
+    half256(KIND, c, s, half, ng, p->xq + m * K, p->dx + m * ng, p->xs + m * ng, K, MB, 1, OUT, \
+            LDO);                                                                             \
   } while (0)
 #endif
 
@@ -280,8 +330,8 @@ static inline __attribute__((always_inline)) void half256(
  * code becomes a float once per pass and meets every row's x in a fused multiply-add; a
  * row's operations are the same whatever MB is. (AVX-512 CPUs run this too.) */
 static inline __attribute__((always_inline)) void half256_exact(
-    int kind, const void *codes, const float *sc, int64_t ng, const float *x, const float *xs,
-    int64_t K, const int MB, int h, float *out, int64_t ldo) {
+    int kind, const void *codes, const void *sc, int half, int64_t ng, const float *x,
+    const float *xs, int64_t K, const int MB, int h, float *out, int64_t ldo) {
   __m256 acc[4];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi32(0x0F);
@@ -321,12 +371,12 @@ static inline __attribute__((always_inline)) void half256_exact(
         }
       }
     }
-    const float *s = sc + g * (kind == 4 ? 2 * NB : NB) + 8 * h;
-    const __m256 sv = _mm256_loadu_ps(s);
+    const void *s = sc_at(sc, half, g * (kind == 4 ? 2 * NB : NB) + 8 * h);
+    const __m256 sv = sc_load8(s, half);
+    const __m256 bv = kind == 4 ? sc_load8(sc_at(s, half, NB), half) : sv;
     for (int m = 0; m < MB; ++m) {
       acc[m] = _mm256_fmadd_ps(sv, df[m], acc[m]);
-      if (kind == 4)
-        acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(s + NB), _mm256_set1_ps(xs[m * ng + g]), acc[m]);
+      if (kind == 4) acc[m] = _mm256_fmadd_ps(bv, _mm256_set1_ps(xs[m * ng + g]), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo + 8 * h, acc[m]);
@@ -334,18 +384,19 @@ static inline __attribute__((always_inline)) void half256_exact(
 #define EXACT_ROWS 4
 #define EXACT(KIND, MB, OUT, LDO)                                                     \
   do {                                                                                \
-    half256_exact(KIND, c, s, ng, x + m * K, p->xs + m * ng, K, MB, 0, OUT, LDO); \
-    half256_exact(KIND, c, s, ng, x + m * K, p->xs + m * ng, K, MB, 1, OUT, LDO); \
+    half256_exact(KIND, c, s, half, ng, x + m * K, p->xs + m * ng, K, MB, 0, OUT, LDO); \
+    half256_exact(KIND, c, s, half, ng, x + m * K, p->xs + m * ng, K, MB, 1, OUT, LDO); \
   } while (0)
 #endif
 
-/* Rows [0, M) of x against block nb: out[m * ldo + j], j < 16. */
-static void run_block(int kind, int exact, const void *codes, const float *scales, int64_t nb,
-                      const float *x, const Prepared *p, int64_t M, int64_t K, float *out,
-                      int64_t ldo) {
+/* Rows [0, M) of x against block nb: out[m * ldo + j], j < 16. Inlined with kind and half
+ * constants (run_block): the tiles' loops then hold no test of either. */
+static inline __attribute__((always_inline)) void run_block_of(
+    const int kind, int exact, const void *codes, const void *scales, const int half, int64_t nb,
+    const float *x, const Prepared *p, int64_t M, int64_t K, float *out, int64_t ldo) {
   const int64_t ng = K / G;
   const void *c = (const char *)codes + nb * ng * (kind == 4 ? 256 : 512);
-  const float *s = scales + nb * ng * (kind == 4 ? 2 * NB : NB);
+  const void *s = sc_at(scales, half, nb * ng * (kind == 4 ? 2 * NB : NB));
 #ifdef TILE
   if (!exact) {
     int64_t m = 0;
@@ -379,12 +430,26 @@ static void run_block(int kind, int exact, const void *codes, const float *scale
   }
 #endif
   for (int64_t m = 0; m < M; ++m)
-    block_c(kind, exact, c, s, ng, x + m * K, exact ? NULL : p->xq + m * K, p->dx + m * ng,
+    block_c(kind, exact, c, s, half, ng, x + m * K, exact ? NULL : p->xq + m * K, p->dx + m * ng,
             p->xs + m * ng, out + m * ldo);
 }
 
+static void run_block(int kind, int exact, const void *codes, const void *scales, int half,
+                      int64_t nb, const float *x, const Prepared *p, int64_t M, int64_t K,
+                      float *out, int64_t ldo) {
+  if (kind == 4 && half)
+    run_block_of(4, exact, codes, scales, 1, nb, x, p, M, K, out, ldo);
+  else if (kind == 4)
+    run_block_of(4, exact, codes, scales, 0, nb, x, p, M, K, out, ldo);
+  else if (half)
+    run_block_of(8, exact, codes, scales, 1, nb, x, p, M, K, out, ldo);
+  else
+    run_block_of(8, exact, codes, scales, 0, nb, x, p, M, K, out, ldo);
+}
+
 static int linear(int kind, const float *x, int64_t M, int64_t K, const void *codes,
-                  const float *scales, const float *bias, float *y, int64_t N, int exact) {
+                  const void *scales, int half, const float *bias, float *y, int64_t N,
+                  int exact) {
   if (K % G || M < 0) return 1;
   Prepared p;
   if (prepare_x(x, M, K, exact, &p)) return 2;
@@ -394,14 +459,14 @@ static int linear(int kind, const float *x, int64_t M, int64_t K, const void *co
   for (int64_t nb = 0; nb < nblocks; ++nb) {
     const int64_t n0 = nb * NB, nc = N - n0 < NB ? N - n0 : NB;
     if (nc == NB) {
-      run_block(kind, exact, codes, scales, nb, x, &p, M, K, y + n0, N);
+      run_block(kind, exact, codes, scales, half, nb, x, &p, M, K, y + n0, N);
     } else { /* the padded last block: through a buffer */
       float *tmp = malloc(sizeof(float) * NB * (M > 0 ? M : 1));
       if (!tmp) {
         failed = 1;
         continue;
       }
-      run_block(kind, exact, codes, scales, nb, x, &p, M, K, tmp, NB);
+      run_block(kind, exact, codes, scales, half, nb, x, &p, M, K, tmp, NB);
       for (int64_t m = 0; m < M; ++m) memcpy(y + m * N + n0, tmp + m * NB, sizeof(float) * nc);
       free(tmp);
     }
@@ -413,14 +478,15 @@ static int linear(int kind, const float *x, int64_t M, int64_t K, const void *co
   return failed ? 2 : 0;
 }
 
-int q4_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q, const float *sc,
-                  const float *bias, float *y, int64_t N, int exact) {
-  return linear(4, x, M, K, q, sc, bias, y, N, exact);
+/* sc: fp32 scales, or fp16 when `half`. */
+int q4_linear_f32(const float *x, int64_t M, int64_t K, const uint8_t *q, const void *sc,
+                  int half, const float *bias, float *y, int64_t N, int exact) {
+  return linear(4, x, M, K, q, sc, half, bias, y, N, exact);
 }
 
-int q8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const float *sc,
-                  const float *bias, float *y, int64_t N, int exact) {
-  return linear(8, x, M, K, q, sc, bias, y, N, exact);
+int q8_linear_f32(const float *x, int64_t M, int64_t K, const int8_t *q, const void *sc,
+                  int half, const float *bias, float *y, int64_t N, int exact) {
+  return linear(8, x, M, K, q, sc, half, bias, y, N, exact);
 }
 
 /* The row layout -> the x16 layout above (quant.py's QuantWeight.pack). Row layout:
@@ -474,8 +540,8 @@ void q8_pack(const int8_t *codes, const float *scales, int64_t N, int64_t K, con
 }
 
 /* Channels rows[0..R) of a weight as fp32, out [R][K] (embeddings, dense fallbacks). */
-void q4_dequant_f32(const uint8_t *q, const float *sc, int64_t K, const int64_t *rows,
-                    int64_t R, float *out) {
+void q4_dequant_f32(const uint8_t *q, const void *sc, int half, int64_t K,
+                    const int64_t *rows, int64_t R, float *out) {
   const int64_t ng = K / G;
 #pragma omp parallel for schedule(static) if (R > 16)
   for (int64_t r = 0; r < R; ++r) {
@@ -483,8 +549,8 @@ void q4_dequant_f32(const uint8_t *q, const float *sc, int64_t K, const int64_t 
     float *o = out + r * K;
     for (int64_t g = 0; g < ng; ++g) {
       const uint8_t *qg = q + (nb * ng + g) * 256;
-      const float *s = sc + (nb * ng + g) * 2 * NB;
-      const float sj = s[j], bj = s[NB + j];
+      const void *s = sc_at(sc, half, (nb * ng + g) * 2 * NB);
+      const float sj = sc_get(s, half, j), bj = sc_get(s, half, NB + j);
       for (int t = 0; t < 8; ++t) {
         const int b0 = qg[t * 32 + 2 * j], b1 = qg[t * 32 + 2 * j + 1];
         float *ok = o + g * G + 4 * t;
@@ -495,8 +561,8 @@ void q4_dequant_f32(const uint8_t *q, const float *sc, int64_t K, const int64_t 
   }
 }
 
-void q8_dequant_f32(const int8_t *q, const float *sc, int64_t K, const int64_t *rows, int64_t R,
-                    float *out) {
+void q8_dequant_f32(const int8_t *q, const void *sc, int half, int64_t K, const int64_t *rows,
+                    int64_t R, float *out) {
   const int64_t ng = K / G;
 #pragma omp parallel for schedule(static) if (R > 16)
   for (int64_t r = 0; r < R; ++r) {
@@ -504,7 +570,7 @@ void q8_dequant_f32(const int8_t *q, const float *sc, int64_t K, const int64_t *
     float *o = out + r * K;
     for (int64_t g = 0; g < ng; ++g) {
       const int8_t *qg = q + (nb * ng + g) * 512;
-      const float sj = sc[(nb * ng + g) * NB + j];
+      const float sj = sc_get(sc, half, (nb * ng + g) * NB + j);
       for (int p = 0; p < 16; ++p) {
         o[g * G + 2 * p] = sj * (float)qg[p * 32 + 2 * j];
         o[g * G + 2 * p + 1] = sj * (float)qg[p * 32 + 2 * j + 1];

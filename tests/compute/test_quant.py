@@ -26,28 +26,75 @@ def _random_q4_k(n: int, k: int) -> np.ndarray:
     return blocks.reshape(n, k // 256 * 144)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K])
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q5_0, QT.Q4_K])
 def test_gguf_blocks_convert_exactly(qtype: QT) -> None:
+    """Each format's values exactly, and in as few bytes as the kernels take: the formats
+    that store fp16 scales keep them in fp16 (Q4_K's d * sc need more bits)."""
     n, k = 48, 512
     if qtype == QT.Q4_K:
         data = _random_q4_k(n, k)
     else:
         data = quantize(RNG.standard_normal((n, k)).astype(np.float32), qtype)
     q = from_gguf(data, qtype, n, k)
-    assert q is not None and q.kind == ("q8" if qtype == QT.Q8_0 else "q4")
+    assert q is not None and q.kind == ("q8" if qtype in (QT.Q8_0, QT.Q5_0) else "q4")
     expected = dequantize(data, qtype).reshape(n, k)
     assert np.array_equal(q.dequantize().numpy(), expected.astype(np.float32))
+    assert q.half == (qtype != QT.Q4_K)
+    per_weight = {"q4": 0.5 + 4 / 32, "q8": 1 + 2 / 32} if q.half else {"q4": 0.75}
+    assert q.nbytes == n * k * per_weight[q.kind]
 
 
 def test_other_formats_are_requantized_to_int8() -> None:
     n, k = 16, 256
-    data = quantize(RNG.standard_normal((n, k)).astype(np.float32), QT.Q5_0)
-    q = from_gguf(data, QT.Q5_0, n, k)
+    data = quantize(RNG.standard_normal((n, k)).astype(np.float32), QT.Q5_1)
+    q = from_gguf(data, QT.Q5_1, n, k)
     assert q is not None and q.kind == "q8"
-    expected = dequantize(data, QT.Q5_0).reshape(n, k)
+    expected = dequantize(data, QT.Q5_1).reshape(n, k)
     err = np.abs(q.dequantize().numpy() - expected).max()
     assert err <= np.abs(expected).max() / 127  # half a step of int8 per group, at most
     assert from_gguf(np.zeros((n, k), np.float32), QT.F32, n, k) is None
+
+
+def test_requantized_scales_are_fp16_where_every_group_allows() -> None:
+    """quantize_q8 rounds each scale max|w_g| / 127 up to fp16 (no code leaves -127..127,
+    each at most half a step off); a weight with a group too small for a normal fp16
+    scale keeps fp32 scales, and that group its precision."""
+    w = torch.randn(32, 128)
+    q = quantize_q8(w)
+    assert q.half
+    codes, scales = q.rows()
+    assert codes.abs().max() <= 127
+    step = w.view(32, 4, 32).abs().amax(-1) / 127
+    assert (scales >= step).all() and (scales <= step * (1 + 2**-10)).all()
+    err = (q.dequantize() - w).view(32, 4, 32).abs().amax(-1)
+    assert (err <= scales / 2 * (1 + 1e-6)).all()
+    w[3, 32:64] *= 1e-6  # max|w_g| / 127 below fp16's normal range
+    tiny = quantize_q8(w)
+    assert not tiny.half
+    err = (tiny.dequantize() - w)[3, 32:64].abs().max()
+    assert err <= w[3, 32:64].abs().max() / 254 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_fp16_scales_give_the_same_bits_as_fp32(kind: str) -> None:
+    """Scales that fp16 holds exactly are kept in fp16; the linear (either activations, at
+    every tile size, with a padded last block) and dequantize give the same bits as with
+    the same scales in fp32."""
+    n, k = 40, 128
+    codes, scales = _random_rows(kind, n, k)
+    scales = scales.half().float()
+    q = QuantWeight.pack(kind, codes, scales)
+    assert q.half and q.scales.dtype == torch.float16
+    wide = QuantWeight(kind, q.codes, q.scales.float(), n, k)
+    assert not wide.half and q.nbytes < wide.nbytes
+    assert torch.equal(q.dequantize(), wide.dequantize())
+    assert torch.equal(q.rows()[1], scales)
+    bias = torch.randn(n)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 40):
+        x = torch.randn(rows, k)
+        for activations in ("fp32", "int16"):
+            got = q.linear(x, bias, activations)
+            assert torch.equal(got, wide.linear(x, bias, activations)), (rows, activations)
 
 
 def _int16_bound(q: QuantWeight, x: torch.Tensor) -> torch.Tensor:
@@ -194,6 +241,14 @@ def test_whole_blocks_fuse_as_their_rows_would(kind: str) -> None:
         return QuantWeight.pack(kind, codes, torch.randn(n, k // 32, 2, generator=g))
 
     parts = [weight(32), weight(16), weight(48)]
+    half = weight(16)
+    half = QuantWeight.pack(kind, half.rows()[0], half.rows()[1].half().float())
+    assert half.half and not parts[0].half
+    mixed = cat([parts[0], half])  # fp16 and fp32 scales: fp32
+    assert isinstance(mixed, QuantWeight) and mixed.scales.dtype == torch.float32
+    assert torch.equal(mixed.dequantize(), torch.cat([parts[0].dequantize(), half.dequantize()]))
+    both = cat([half, half])
+    assert isinstance(both, QuantWeight) and both.half
     fused = cat(parts)
     assert isinstance(fused, QuantWeight) and fused.shape == (96, 64)
     rows = [p.rows() for p in parts]
