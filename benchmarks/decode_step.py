@@ -3,6 +3,7 @@
     python -m benchmarks.decode_step                          # torch vs cpu backend, profiles
     python -m benchmarks.decode_step --quantization none      # the weights dequantized to fp32
     python -m benchmarks.decode_step --compare-ref 736fb2c~1  # and the torch attention of a commit
+    python -m benchmarks.decode_step --shapes 1x300 --compare-scales 40  # fp16 vs fp32 scales
 
 The weights are what the compute plane runs (`--quantization`, as its flag: `auto` by
 default, a quantized GGUF's matrices kept quantized on their C kernels; `none`: dense
@@ -18,7 +19,9 @@ oneDNN (quantized matrices run on their own kernels whichever is set). `--compar
 `compute_plane/attention/torch_backend.py` (before: `compute_plane/attention.py`) as it was at a git revision (through `git show`) and
 times the same step with it: the before/after of an attention change. `--prefills`
 times the prefill of one prompt of N tokens with nothing cached (forward + lm_head of
-its last row) with each backend, alternated, best of two.
+its last row) with each backend, alternated, best of two. `--compare-scales ROUNDS`
+times only the decode shapes' step (cpu backend), with the weights as loaded (scales in
+fp16 where exact) and with the same weights' scales widened to fp32, alternated.
 """
 
 from __future__ import annotations
@@ -141,10 +144,9 @@ def _profile(model: Model, step: Callable[[], None]) -> dict[str, float]:
     return {k: round(v / total, 3) for k, v in sorted(share.items())}
 
 
-def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int) -> dict[str, Any]:
-    """A decode step of `b` sequences at context `c`, blocks scattered over the cache:
-    each attention backend (the cpu one by the fused step where the compute plane would
-    take it), each linear kernel (dense weights), and a profile of the two backends."""
+def _decode_step(cfg: Any, b: int, c: int) -> Callable[[Model], None]:
+    """What runs a decode step of `b` sequences at context `c` on a model, over a cache
+    whose blocks are scattered (the metadata built per step, as the engine does)."""
     nb = -(-c // BS)
     cache = KVCache(cfg, b * nb + 1, BS, torch.float32, torch.device("cpu"))
     ids = list(range(1, b * nb + 1))
@@ -153,9 +155,21 @@ def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int
     slots = tables[:, (c - 1) // BS].long() * BS + (c - 1) % BS
     tokens, pos = torch.randint(100, 1000, (b,)), torch.full((b,), c - 1)
 
-    def step() -> None:  # the metadata is built per step, as the engine does
+    def run(model: Model) -> None:
         meta = AttentionMetadata.decodes(slots, tables, [c] * b, BS)
         model.logits(model.forward(tokens, pos, meta, cache.layers))
+
+    return run
+
+
+def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int) -> dict[str, Any]:
+    """A decode step of `b` sequences at context `c`, blocks scattered over the cache:
+    each attention backend (the cpu one by the fused step where the compute plane would
+    take it), each linear kernel (dense weights), and a profile of the two backends."""
+    run = _decode_step(cfg, b, c)
+
+    def step() -> None:
+        run(model)
 
     def timed() -> float:
         times = []
@@ -188,6 +202,34 @@ def _decode_row(model: Model, cfg: Any, backends: dict[str, Any], b: int, c: int
         use(name)
         row[f"profile_{name}"] = _profile(model, step)
     use("cpu")
+    return row
+
+
+def _widened(weights: dict[str, quant.Weight]) -> dict[str, quant.Weight]:
+    """The weights with every fp16 scale held in fp32 (the same values, more bytes)."""
+    return {
+        name: quant.QuantWeight(w.kind, w.codes, w.scales.float(), w.n, w.k)
+        if isinstance(w, quant.QuantWeight) and w.half
+        else w
+        for name, w in weights.items()
+    }
+
+
+def _scales_row(models: dict[str, Model], cfg: Any, b: int, c: int, rounds: int) -> dict[str, Any]:
+    """The cpu backend's decode step of each model (the same weights with their scales
+    as loaded and widened to fp32), `rounds` rounds of 5 steps each, alternated: median."""
+    run = _decode_step(cfg, b, c)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            run(model)  # (a warm-up step: the other model's weights were in the caches)
+            for _ in range(5):
+                t = time.perf_counter()
+                run(model)
+                times[name].append(time.perf_counter() - t)
+    row: dict[str, Any] = {"batch": b, "context": c, "steps_each": 5 * rounds}
+    for name, ts in times.items():
+        row[f"{name}_ms"] = round(statistics.median(ts) * 1e3, 2)
     return row
 
 
@@ -241,6 +283,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--shapes", default="1x300,4x300,16x300,48x300,48x600", help="BxC,...")
     ap.add_argument("--prefills", default="512,2048", help="prompt lengths to time a prefill of")
     ap.add_argument("--compare-ref", default=None, help="git revision of the 'before' attention")
+    ap.add_argument(
+        "--compare-scales",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only the decode shapes, the weights' scales as loaded (fp16 where exact) vs "
+        "widened to fp32, alternated ROUNDS times (5 steps each)",
+    )
     ap.add_argument("--out", type=Path, default=Path("docs/perf/decode_step.json"))
     args = ap.parse_args(argv)
     if args.compare_ref and (why := unknown_revision(args.compare_ref)):
@@ -270,6 +320,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["weights"] = _weights(model)
     report["weight_mb"] = round(model.weight_bytes / 1e6, 1)
     report["steps"] = []
+    if args.compare_scales:
+        act = config.cpu_activations
+        wide = Model(cfg, _widened(weights), cpu, torch.float32, 4096, kernels, activations=act)
+        models = {"loaded": model, "fp32_scales": wide}
+        report["fp32_scales_weight_mb"] = round(wide.weight_bytes / 1e6, 1)
+        for shape in args.shapes.split(","):
+            b, c = (int(x) for x in shape.split("x"))
+            row = _scales_row(models, cfg, b, c, args.compare_scales)
+            row["loaded_vs_fp32_scales"] = round(row["fp32_scales_ms"] / row["loaded_ms"], 3)
+            report["steps"].append(row)
+            print(json.dumps(row), flush=True)
+        write_report(args.out, report)
+        print(f"report: {args.out}", file=sys.stderr)
+        return report
     for shape in args.shapes.split(","):
         b, c = (int(x) for x in shape.split("x"))
         report["steps"].append(row := _decode_row(model, cfg, backends, b, c))

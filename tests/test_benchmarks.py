@@ -356,6 +356,26 @@ def test_compute_host_through_the_grpc_server_tiny(tmp_path: Path) -> None:
     assert fig["loop_thread"] >= 0.8 * fig["server_cpu"], fig
 
 
+def test_decode_step_scales_comparison_tiny(tmp_path: Path) -> None:
+    """--compare-scales: the bundled model's weights as loaded (fp16 scales: its Q4_1 and
+    Q8_0 store fp16 ones) read fewer bytes than the same widened to fp32, by exactly the
+    scales' 2 bytes saved per group of 32 weights; both steps timed."""
+    out = tmp_path / "scales.json"
+    report = decode_step.main(["--shapes", "1x20,3x40", "--compare-scales", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))  # as saved
+    from gguf import GGMLQuantizationType as QT
+    from gguf import GGUFReader
+
+    per_group = {QT.Q4_1: 4, QT.Q8_0: 2}  # bytes saved: q4's s and b, q8's s
+    tensors = GGUFReader(bundled_gguf()).tensors
+    saved = sum(per_group.get(t.tensor_type, 0) * int(t.n_elements) // 32 for t in tensors)
+    got = report["fp32_scales_weight_mb"] - report["weight_mb"]
+    assert got == pytest.approx(saved / 1e6, abs=0.15)  # (each figure rounded to 0.1 MB)
+    assert [(r["batch"], r["context"]) for r in report["steps"]] == [(1, 20), (3, 40)]
+    for r in report["steps"]:
+        assert r["loaded_ms"] > 0 and r["fp32_scales_ms"] > 0 and r["steps_each"] == 5
+
+
 @pytest.mark.parametrize("bench", [compute_host, decode_step, quant_kernel])
 def test_compare_ref_not_a_commit_is_a_usage_error(
     bench: Any,
