@@ -140,10 +140,15 @@ static int prepare_x(const float *x, int64_t M, int64_t K, int exact, Prepared *
 }
 
 /* ------------------------------------------------------------------ plain C */
+/* n scales as floats. Not inlined: block_c holds no test of `half`, so its sums are one
+ * copy of code that -ffast-math cannot compile differently for fp16 and fp32 scales (the
+ * result is the same bits with either). */
+static __attribute__((noinline)) void read_scales(const void *sc, int half, int n, float *out) {
+  for (int j = 0; j < n; ++j) out[j] = sc_get(sc, half, j);
+}
+
 /* One block of 16 channels, one row of x: out[16]. kind 4 or 8; int16 or exact. Never
- * inlined, and each group's scales read into floats before they are used: one copy of
- * the sums, so that -ffast-math cannot compile them differently for fp16 and fp32 scales
- * (the result is the same bits with either). */
+ * inlined (one copy whatever run_block_of's constants are). */
 static __attribute__((noinline)) void block_c(int kind, int exact, const void *codes, const void *sc, int half, int64_t ng,
                     const float *x, const int16_t *xq, const float *dx, const float *xs,
                     float *out) {
@@ -179,7 +184,7 @@ static __attribute__((noinline)) void block_c(int kind, int exact, const void *c
     const int ns = kind == 4 ? 2 * NB : NB;
     const void *s = sc_at(sc, half, g * ns);
     float sv[2 * NB];
-    for (int j = 0; j < ns; ++j) sv[j] = sc_get(s, half, j);
+    read_scales(s, half, ns, sv);
     for (int j = 0; j < NB; ++j) {
       if (exact)
         acc[j] += sv[j] * df[j];
