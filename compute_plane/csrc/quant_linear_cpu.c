@@ -147,9 +147,8 @@ static __attribute__((noinline)) void read_scales(const void *sc, int half, int 
   for (int j = 0; j < n; ++j) out[j] = sc_get(sc, half, j);
 }
 
-/* One block of 16 channels, one row of x: out[16]. kind 4 or 8; int16 or exact. Never
- * inlined (one copy whatever run_block_of's constants are). */
-static __attribute__((noinline)) void block_c(int kind, int exact, const void *codes, const void *sc, int half, int64_t ng,
+/* One block of 16 channels, one row of x: out[16]. kind 4 or 8; int16 or exact. */
+static void block_c(int kind, int exact, const void *codes, const void *sc, int half, int64_t ng,
                     const float *x, const int16_t *xq, const float *dx, const float *xs,
                     float *out) {
   float acc[NB] = {0.f};
@@ -394,11 +393,10 @@ static inline __attribute__((always_inline)) void half256_exact(
   } while (0)
 #endif
 
-/* Rows [0, M) of x against block nb: out[m * ldo + j], j < 16. Inlined with kind and half
- * constants (run_block): the tiles' loops then hold no test of either. */
-static inline __attribute__((always_inline)) void run_block_of(
-    const int kind, int exact, const void *codes, const void *scales, const int half, int64_t nb,
-    const float *x, const Prepared *p, int64_t M, int64_t K, float *out, int64_t ldo) {
+/* Rows [0, M) of x against block nb: out[m * ldo + j], j < 16. */
+static void run_block(int kind, int exact, const void *codes, const void *scales, int half,
+                      int64_t nb, const float *x, const Prepared *p, int64_t M, int64_t K,
+                      float *out, int64_t ldo) {
   const int64_t ng = K / G;
   const void *c = (const char *)codes + nb * ng * (kind == 4 ? 256 : 512);
   const void *s = sc_at(scales, half, nb * ng * (kind == 4 ? 2 * NB : NB));
@@ -437,19 +435,6 @@ static inline __attribute__((always_inline)) void run_block_of(
   for (int64_t m = 0; m < M; ++m)
     block_c(kind, exact, c, s, half, ng, x + m * K, exact ? NULL : p->xq + m * K, p->dx + m * ng,
             p->xs + m * ng, out + m * ldo);
-}
-
-static void run_block(int kind, int exact, const void *codes, const void *scales, int half,
-                      int64_t nb, const float *x, const Prepared *p, int64_t M, int64_t K,
-                      float *out, int64_t ldo) {
-  if (kind == 4 && half)
-    run_block_of(4, exact, codes, scales, 1, nb, x, p, M, K, out, ldo);
-  else if (kind == 4)
-    run_block_of(4, exact, codes, scales, 0, nb, x, p, M, K, out, ldo);
-  else if (half)
-    run_block_of(8, exact, codes, scales, 1, nb, x, p, M, K, out, ldo);
-  else
-    run_block_of(8, exact, codes, scales, 0, nb, x, p, M, K, out, ldo);
 }
 
 static int linear(int kind, const float *x, int64_t M, int64_t K, const void *codes,
