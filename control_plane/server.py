@@ -195,8 +195,8 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
         self.model_name = model_name
         self.generation_defaults = json.dumps(generation_defaults or {})
         self._big_lane = side_lane("tokenize-big")  # big inputs never take every CPU
-        self.closing = False  # the server stops: end_calls cancels the open calls
-        self._calls: set[asyncio.Task[Any]] = set()  # the open GenerateMany calls' handlers
+        self.closing = False  # the server stops: end_calls ends the open calls
+        self._calls: set[_ManyCall] = set()  # the open GenerateMany calls
 
     async def prompt_ids(
         self,
@@ -307,38 +307,37 @@ class ControlServicer(pb_grpc.ControlPlaneServicer):
     ) -> AsyncIterator[pb.GenerateManyResponse]:
         call = _ManyCall(self)
         reader = asyncio.create_task(call.read(request_iterator))
-        task = asyncio.current_task()
-        assert task is not None
-        self._calls.add(task)
+        self._calls.add(call)
         try:
             # A refused start leaves `starting` before its error is written: the outbox
             # must be empty too, or the call could end with that error unsent.
             while call.reading or call.running or call.starting or not call.outbox.empty:
+                if self.closing:
+                    # end_calls: a status now, not a call left open for the stop's grace
+                    # (the reader first: the abort would fail its read, logged as the
+                    # client's fault)
+                    reader.cancel()
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
                 messages, ended = await call.outbox.take()
                 if call.broken is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"GenerateMany: {call.broken}")
                 call.forget(ended)
                 for message in messages:
                     yield message
-        except asyncio.CancelledError:
-            if not self.closing:  # (the client went: grpc cancels the handler)
-                raise
-            # end_calls: a status now, not a call left open for the stop's grace (the
-            # reader first: the abort would fail its read, logged as the client's fault)
-            reader.cancel()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
         finally:
-            self._calls.discard(task)
+            self._calls.discard(call)
             reader.cancel()
             call.close()  # the client went away: free the blocks now
 
     def end_calls(self) -> None:
         """End the open GenerateMany calls now (the server stops, drained): a gateway
         keeps its call open while idle, and the server's stop grace waited a second for
-        it, then cancelled it (an ERROR traceback from grpc)."""
+        it, then cancelled it (an ERROR traceback from grpc). Each call is woken and ends
+        itself between writes: a cancel could land in grpc's write of its last message,
+        which then left the call to the grace ('Cancelling all calls')."""
         self.closing = True
-        for task in self._calls:
-            task.cancel()
+        for call in self._calls:
+            call.outbox.wake()
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

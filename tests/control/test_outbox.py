@@ -217,3 +217,85 @@ def test_a_message_without_an_action_is_an_error_not_ignored() -> None:
         assert errors[2].message == "next refused"
 
     asyncio.run(go())
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What GenerateMany uses of a grpc context: abort raises, as grpc's does."""
+
+    def __init__(self) -> None:
+        self.status: tuple[object, str] | None = None
+
+    async def abort(self, code: object, details: str) -> None:
+        self.status = (code, details)
+        raise _Aborted(details)
+
+
+def test_a_stopping_server_ends_a_call_paused_at_its_write() -> None:
+    """end_calls (the server stops, drained) while a GenerateMany call is paused at a
+    message's yield, as it is while grpc writes that message: the call ends with
+    UNAVAILABLE 'the control plane stopped' when it resumes. end_calls cancelled the
+    handler's task, and a cancel landing in grpc's write left the call to the server's
+    1 s stop grace ('Cancelling all calls'; a flaky end-to-end failure in CI)."""
+    import grpc
+
+    async def go() -> None:
+        def prompt_ids(request: pb.GenerateRequest, add_special_tokens: bool) -> list[int]:
+            raise AdmissionError(f"{request.request_id} refused")
+
+        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
+        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
+        servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
+        never = asyncio.Event()
+
+        async def messages() -> AsyncIterator[pb.GenerateManyRequest]:
+            yield pb.GenerateManyRequest(start=pb.GenerateRequest(request_id="a"))
+            await never.wait()  # the call stays open, as a gateway's
+
+        context = _Context()
+        call = servicer.GenerateMany(messages(), context)  # type: ignore[arg-type]
+        first = await anext(call)  # paused at this message's yield
+        assert [e.request_id for e in first.errors] == ["a"]
+        servicer.end_calls()
+        with pytest.raises(_Aborted):
+            await asyncio.wait_for(anext(call), 5)
+        assert context.status == (grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
+        assert not servicer._calls
+
+        # A call opened after the stop began ends at once.
+        context = _Context()
+        with pytest.raises(_Aborted):
+            await asyncio.wait_for(anext(servicer.GenerateMany(messages(), context)), 5)  # type: ignore[arg-type]
+        assert context.status == (grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
+
+    asyncio.run(go())
+
+
+def test_a_stopping_server_ends_an_idle_call() -> None:
+    """end_calls while a GenerateMany call waits for its next message (a gateway's call
+    between requests): it ends with UNAVAILABLE 'the control plane stopped'."""
+    import grpc
+
+    async def go() -> None:
+        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
+        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
+        never = asyncio.Event()
+
+        async def messages() -> AsyncIterator[pb.GenerateManyRequest]:
+            await never.wait()
+            yield pb.GenerateManyRequest()
+
+        context = _Context()
+        call = servicer.GenerateMany(messages(), context)  # type: ignore[arg-type]
+        waiting = asyncio.ensure_future(anext(call))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        servicer.end_calls()
+        with pytest.raises(_Aborted):
+            await asyncio.wait_for(waiting, 5)
+        assert context.status == (grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
+
+    asyncio.run(go())
