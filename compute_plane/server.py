@@ -69,6 +69,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         self._driver: str | None = None
         self._driver_stream: object | None = None
         self._runs: set[asyncio.Task[Any]] = set()  # the open Run streams' handlers
+        self._writing: set[asyncio.Task[Any]] = set()  # those paused while grpc writes
         self._drops: set[asyncio.Future[None]] = set()  # (asyncio keeps weak references)
 
     async def _claim(self, context: grpc.aio.ServicerContext) -> None:
@@ -130,7 +131,11 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         self._runs.add(task)
         try:
             async for result in self._steps(engine, request_iterator, context):
-                yield result
+                self._writing.add(task)
+                yield result  # (grpc writes it: end_runs must not cancel it there)
+                self._writing.discard(task)
+                if self.closing:  # end_runs came while it was written
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, COMPUTE_STOPPED)
         except asyncio.CancelledError:
             if not self.closing:  # (the peer went: grpc cancels the handler)
                 raise
@@ -138,6 +143,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, COMPUTE_STOPPED)
         finally:
             self._runs.discard(task)
+            self._writing.discard(task)
             if self._driver_stream is stream:
                 self._driver = self._driver_stream = None
                 if not self.closing:  # (closing: the process ends, nothing to drop for)
@@ -284,9 +290,13 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
 
     def end_runs(self) -> None:
         """End the open Run streams now (the server stops): an idle control plane keeps
-        its stream open, and the server's stop grace waited a second for it."""
+        its stream open, and the server's stop grace waited a second for it. A stream
+        whose result grpc is writing ends itself once it is written: a cancel landing in
+        grpc's write left the stream to the grace ('Cancelling all calls')."""
+        self.closing = True
         for task in self._runs:
-            task.cancel()
+            if task not in self._writing:
+                task.cancel()
 
     def num_held(self) -> int:
         """Requests the engine holds for a control plane that drives it (what a drain

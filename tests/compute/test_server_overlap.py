@@ -217,3 +217,41 @@ def test_a_run_stream_that_ends_drops_its_requests_unless_the_server_stops(closi
 
     asyncio.run(go())
     assert engine.log == ([] if closing else ["drop: control plane gone"])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_stopping_server_ends_a_run_paused_at_its_write(overlap: bool) -> None:
+    """end_runs (the server stops, drained) while a Run stream is paused at a result's
+    yield, as it is while grpc writes that result: the stream ends with UNAVAILABLE 'the
+    compute plane stopped' when it resumes (what the control plane reads as a planned
+    stop). end_runs cancelled the handler's task, and a cancel landing in grpc's write
+    left the stream to the server's 1 s stop grace ('Cancelling all calls'), which the
+    control plane logged as a lost compute plane."""
+    from hetero_common.grpc_server import COMPUTE_STOPPED
+
+    engine = StubEngine()
+    engine.overlap = overlap
+    engine.drop_requests = lambda why: engine.log.append(f"drop: {why}")  # type: ignore[attr-defined]
+
+    async def go() -> None:
+        servicer = ComputeServicer()
+        servicer.engine = engine  # type: ignore[assignment]
+        engine.gates[1] = Gate()
+        engine.gates[1].open.set()
+        never = asyncio.Event()
+
+        async def steps() -> AsyncIterator[pb.StepRequest]:
+            yield pb.StepRequest(step_id=1)
+            await never.wait()  # the control plane keeps its stream open
+
+        run = servicer.Run(steps(), Peer())  # type: ignore[arg-type]
+        first = await asyncio.wait_for(anext(run), 5)  # paused at this result's yield
+        assert first.step_id == 1
+        servicer.end_runs()
+        with pytest.raises(Aborted, match=COMPUTE_STOPPED):
+            await asyncio.wait_for(anext(run), 5)
+        servicer.executor.shutdown()
+        servicer.waiter.shutdown()
+
+    asyncio.run(go())
+    assert engine.log == ["launch 1", "finish 1"]
