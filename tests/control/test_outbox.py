@@ -7,6 +7,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -26,6 +27,19 @@ steps_strategy = st.lists(
     ),
     max_size=12,
 )
+
+
+def _servicer(prompt_ids: Any = None) -> ControlServicer:
+    """A ControlServicer over no engine, whose prompts are tokenised by `prompt_ids`."""
+    engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
+    servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
+    if prompt_ids is not None:
+        servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
+    return servicer
+
+
+def _refuse(request: pb.GenerateRequest, add_special_tokens: bool) -> list[int]:
+    raise AdmissionError(f"{request.request_id} refused")
 
 
 def _read(message: pb.GenerateManyResponse) -> list[tuple[str, str]]:
@@ -169,9 +183,7 @@ def test_a_refusal_after_the_client_stopped_sending_is_still_written() -> None:
                 release.wait(10)
             raise AdmissionError(f"{request.request_id} refused")
 
-        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
-        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
-        servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
+        servicer = _servicer(prompt_ids)
 
         async def starts() -> AsyncIterator[pb.GenerateManyRequest]:
             for rid in ("early", "late"):
@@ -194,12 +206,7 @@ def test_a_message_without_an_action_is_an_error_not_ignored() -> None:
     and the call goes on with the next message's request."""
 
     async def go() -> None:
-        def prompt_ids(request: pb.GenerateRequest, add_special_tokens: bool) -> list[int]:
-            raise AdmissionError(f"{request.request_id} refused")
-
-        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
-        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
-        servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
+        servicer = _servicer(_refuse)
 
         async def messages() -> AsyncIterator[pb.GenerateManyRequest]:
             yield pb.GenerateManyRequest()
@@ -243,12 +250,7 @@ def test_a_stopping_server_ends_a_call_paused_at_its_write() -> None:
     import grpc
 
     async def go() -> None:
-        def prompt_ids(request: pb.GenerateRequest, add_special_tokens: bool) -> list[int]:
-            raise AdmissionError(f"{request.request_id} refused")
-
-        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
-        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
-        servicer._prompt_ids = prompt_ids  # type: ignore[method-assign]
+        servicer = _servicer(_refuse)
         never = asyncio.Event()
 
         async def messages() -> AsyncIterator[pb.GenerateManyRequest]:
@@ -280,8 +282,7 @@ def test_a_stopping_server_ends_an_idle_call() -> None:
     import grpc
 
     async def go() -> None:
-        engine = SimpleNamespace(tokenizer=None, scheduler=None, check_accepting=lambda: None)
-        servicer = ControlServicer(engine, "m")  # type: ignore[arg-type]
+        servicer = _servicer()
         never = asyncio.Event()
 
         async def messages() -> AsyncIterator[pb.GenerateManyRequest]:
