@@ -293,7 +293,7 @@ class ComputeServicer(pb_grpc.ComputePlaneServicer):
         its stream open, and the server's stop grace waited a second for it. A stream
         whose result grpc is writing ends itself once it is written: a cancel landing in
         grpc's write left the stream to the grace ('Cancelling all calls')."""
-        self.closing = True
+        self.closing = True  # (a Run stream cut by the stop drops nothing on the way)
         for task in self._runs:
             if task not in self._writing:
                 task.cancel()
@@ -341,7 +341,6 @@ async def serve(config: ComputeConfig) -> None:
             log.info("compute plane drained (%d requests still held)", held)
     finally:
         log.info("compute plane shutting down")
-        servicer.closing = True  # (a Run stream cut by the stop drops nothing on the way)
         servicer.end_runs()
         await plane.close()
         servicer.executor.shutdown(wait=False, cancel_futures=True)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -247,7 +248,6 @@ def test_a_stopping_server_ends_a_call_paused_at_its_write() -> None:
     UNAVAILABLE 'the control plane stopped' when it resumes. end_calls cancelled the
     handler's task, and a cancel landing in grpc's write left the call to the server's
     1 s stop grace ('Cancelling all calls'; a flaky end-to-end failure in CI)."""
-    import grpc
 
     async def go() -> None:
         servicer = _servicer(_refuse)
@@ -279,7 +279,6 @@ def test_a_stopping_server_ends_a_call_paused_at_its_write() -> None:
 def test_a_stopping_server_ends_an_idle_call() -> None:
     """end_calls while a GenerateMany call waits for its next message (a gateway's call
     between requests): it ends with UNAVAILABLE 'the control plane stopped'."""
-    import grpc
 
     async def go() -> None:
         servicer = _servicer()
