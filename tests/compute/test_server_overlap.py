@@ -19,6 +19,7 @@ from compute_plane.engine import Launched
 from compute_plane.requests import StepRejected
 from compute_plane.server import ComputeServicer
 from hetero_proto import compute_pb2 as pb
+from tests.grpc_context import Aborted, Context
 
 
 class Gate:
@@ -59,15 +60,6 @@ class StubEngine:
 
     def reset(self, failed: bool = False) -> None:
         self.log.append("reset")
-
-
-class Aborted(Exception):
-    pass
-
-
-class Context:
-    async def abort(self, code: object, message: str) -> None:
-        raise Aborted(message)
 
 
 @pytest.fixture(params=[False, True], ids=["worker-thread", "event-loop"])

@@ -13,7 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import grpc
 import pytest
 
 from control_plane.chat_template import GEMMA3_TEMPLATE, ChatTemplateError, render_chat
@@ -22,6 +21,7 @@ from control_plane.engine import ControlEngine
 from control_plane.server import BIG_INPUT_BYTES, ControlServicer
 from control_plane.tokenizer import TokenizerWrapper, load_tokenizer
 from hetero_proto import control_pb2 as pb
+from tests.grpc_context import Aborted, Context
 
 HI = [pb.ChatMessage(role="user", content="Hi")]
 DEEP = "[" * 5000 + "]" * 5000  # deeper than Python's stack
@@ -32,17 +32,6 @@ def _call(arguments: str) -> str:
     return json.dumps(
         [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]
     )
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    """What the servicer uses of a call's context when it refuses a request."""
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Aborted(code, details)
 
 
 def _engine(tok: TokenizerWrapper, scheduler: object) -> SimpleNamespace:
@@ -78,14 +67,13 @@ def _refusal(servicer: ControlServicer, rpc: str, given: dict[str, Any]) -> tupl
 
     async def go() -> None:
         if rpc == "Generate":
-            await anext(servicer.Generate(pb.GenerateRequest(**given), _Context()))  # type: ignore[arg-type]
+            await anext(servicer.Generate(pb.GenerateRequest(**given), Context()))  # type: ignore[arg-type]
         else:
-            await servicer.Tokenize(pb.TokenizeRequest(**given), _Context())  # type: ignore[arg-type]
+            await servicer.Tokenize(pb.TokenizeRequest(**given), Context())  # type: ignore[arg-type]
 
-    with pytest.raises(_Aborted) as e:
+    with pytest.raises(Aborted) as e:
         asyncio.run(go())
-    code, message = e.value.args
-    return code.name, message
+    return e.value.code.name, e.value.details
 
 
 @pytest.mark.parametrize("rpc", ["Generate", "Tokenize"])
@@ -210,7 +198,7 @@ def test_a_text_at_the_size_bound_is_tokenised(
     bounded: ControlServicer, tok: TokenizerWrapper
 ) -> None:
     at_bound = pb.TokenizeRequest(text="x" * (MAX_MODEL_LEN * tok.max_token_bytes))
-    reply = asyncio.run(bounded.Tokenize(at_bound, _Context()))  # type: ignore[arg-type]
+    reply = asyncio.run(bounded.Tokenize(at_bound, Context()))  # type: ignore[arg-type]
     assert reply.count > MAX_MODEL_LEN and reply.max_model_len == MAX_MODEL_LEN
 
 
@@ -230,10 +218,10 @@ def test_a_small_input_is_tokenised_while_big_ones_fill_their_lane(tok: Tokenize
 
     async def go() -> pb.TokenizeResponse:
         big = pb.TokenizeRequest(text="x" * (BIG_INPUT_BYTES + 1))
-        bigs = [asyncio.create_task(servicer.Tokenize(big, _Context())) for _ in range(40)]  # type: ignore[arg-type]
+        bigs = [asyncio.create_task(servicer.Tokenize(big, Context())) for _ in range(40)]  # type: ignore[arg-type]
         await asyncio.sleep(0.1)
         try:
-            small = servicer.Tokenize(pb.TokenizeRequest(text="Hi"), _Context())  # type: ignore[arg-type]
+            small = servicer.Tokenize(pb.TokenizeRequest(text="Hi"), Context())  # type: ignore[arg-type]
             return await asyncio.wait_for(small, 10)
         finally:
             release.set()
@@ -259,7 +247,7 @@ def test_generate_without_a_compute_plane_is_refused_before_tokenising(
     servicer._prompt_ids = counted  # type: ignore[method-assign]
     refused = _refusal(servicer, "Generate", {"text": "x" * 1_000_000})
     assert refused == ("UNAVAILABLE", "no compute plane is attached") and tokenised == []
-    reply = asyncio.run(servicer.Tokenize(pb.TokenizeRequest(text="Hi"), _Context()))  # type: ignore[arg-type]
+    reply = asyncio.run(servicer.Tokenize(pb.TokenizeRequest(text="Hi"), Context()))  # type: ignore[arg-type]
     assert reply.token_ids == tok.encode("Hi") and tokenised == ["text"]
 
 

@@ -18,6 +18,7 @@ from control_plane.scheduler import AdmissionError
 from control_plane.server import CallOutbox, ControlServicer, _ManyCall
 from hetero_common.packed import packed_responses
 from hetero_proto import control_pb2 as pb
+from tests.grpc_context import Aborted, Context
 
 # A step: for each request that produced something, True for a packed delta and False
 # for a full response (an admission, a finish, a delta with logprobs or a stop string).
@@ -227,21 +228,6 @@ def test_a_message_without_an_action_is_an_error_not_ignored() -> None:
     asyncio.run(go())
 
 
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    """What GenerateMany uses of a grpc context: abort raises, as grpc's does."""
-
-    def __init__(self) -> None:
-        self.status: tuple[object, str] | None = None
-
-    async def abort(self, code: object, details: str) -> None:
-        self.status = (code, details)
-        raise _Aborted(details)
-
-
 def test_a_stopping_server_ends_a_call_paused_at_its_write() -> None:
     """end_calls (the server stops, drained) while a GenerateMany call is paused at a
     message's yield, as it is while grpc writes that message: the call ends with
@@ -257,19 +243,19 @@ def test_a_stopping_server_ends_a_call_paused_at_its_write() -> None:
             yield pb.GenerateManyRequest(start=pb.GenerateRequest(request_id="a"))
             await never.wait()  # the call stays open, as a gateway's
 
-        context = _Context()
+        context = Context()
         call = servicer.GenerateMany(messages(), context)  # type: ignore[arg-type]
         first = await anext(call)  # paused at this message's yield
         assert [e.request_id for e in first.errors] == ["a"]
         servicer.end_calls()
-        with pytest.raises(_Aborted):
+        with pytest.raises(Aborted):
             await asyncio.wait_for(anext(call), 5)
         assert context.status == (grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
         assert not servicer._calls
 
         # A call opened after the stop began ends at once.
-        context = _Context()
-        with pytest.raises(_Aborted):
+        context = Context()
+        with pytest.raises(Aborted):
             await asyncio.wait_for(anext(servicer.GenerateMany(messages(), context)), 5)  # type: ignore[arg-type]
         assert context.status == (grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
 
@@ -288,13 +274,13 @@ def test_a_stopping_server_ends_an_idle_call() -> None:
             await never.wait()
             yield pb.GenerateManyRequest()
 
-        context = _Context()
+        context = Context()
         call = servicer.GenerateMany(messages(), context)  # type: ignore[arg-type]
         waiting = asyncio.ensure_future(anext(call))
         await asyncio.sleep(0.05)
         assert not waiting.done()
         servicer.end_calls()
-        with pytest.raises(_Aborted):
+        with pytest.raises(Aborted):
             await asyncio.wait_for(waiting, 5)
         assert context.status == (grpc.StatusCode.UNAVAILABLE, "the control plane stopped")
 
