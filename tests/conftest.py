@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,21 @@ def installed(*distributions: str) -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+@pytest.fixture
+def ctrl_c_delivered() -> Iterator[None]:
+    """SIGINT acts as a terminal's Ctrl-C in this process and the ones it starts, however
+    pytest was launched: a shell without job control starts a background command with
+    SIGINT ignored, which its children inherit, and Python then raises no
+    KeyboardInterrupt (nor does a child die of it) where a user's Ctrl-C would."""
+    before = signal.getsignal(signal.SIGINT)
+    if before == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="session")

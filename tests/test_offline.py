@@ -180,7 +180,7 @@ def test_a_refused_prompt_of_a_batch_is_named_by_its_index(smollm2_path: Path) -
 
 
 def test_ctrl_c_during_generate_raises_at_once_and_the_engine_serves_on(
-    smollm2_path: Path,
+    smollm2_path: Path, ctrl_c_delivered: None
 ) -> None:
     """The in-process step loop never yielded to the event loop while it had work, so
     asyncio.run's Ctrl-C (a cancel of the main task) landed only once every request had

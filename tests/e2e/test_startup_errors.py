@@ -478,7 +478,7 @@ sys.meta_path.insert(0, Interrupter())
     ],
 )
 def test_ctrl_c_while_hetero_infer_imports_exits_130_quietly(
-    entry: list[str], module: str, tmp_path: Path
+    entry: list[str], module: str, tmp_path: Path, ctrl_c_delivered: None
 ) -> None:
     # A KeyboardInterrupt traceback from the import it hit, and exit status -2 (the
     # interpreter's own SIGINT death): serve's Ctrl-C handling began only once its modules
