@@ -350,7 +350,9 @@ def test_close_frees_the_engine_at_once(smollm2_path: Path) -> None:
     llm.close()  # a second close is a no-op
 
 
-def test_generate_and_chat_run_from_code_an_event_loop_is_running(smollm2_path: Path) -> None:
+def test_generate_and_chat_run_from_code_an_event_loop_is_running(
+    smollm2_path: Path, ctrl_c_delivered: None
+) -> None:
     """A notebook's cell runs in an event loop (as any async function does): there each
     call was asyncio.run's RuntimeError 'cannot be called from a running event loop' (and
     a 'never awaited' warning), where vLLM's LLM runs. It runs now, output as outside, and
@@ -368,7 +370,8 @@ def test_generate_and_chat_run_from_code_an_event_loop_is_running(smollm2_path: 
 
     async def cell() -> list[list[list[int]]]:
         inside = [c.token_ids for c in (*llm.generate(PROMPTS[:2], p), *llm.chat(hi, p))]
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # (ipykernel's way)
+        # (ipykernel's way; the fixture puts back what was there)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         timer = threading.Timer(1.0, ctrl_c)
         timer.start()
         with pytest.raises(KeyboardInterrupt):
