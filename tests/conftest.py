@@ -33,9 +33,7 @@ def ctrl_c_delivered() -> Iterator[None]:
     pytest was launched: a shell without job control starts a background command with
     SIGINT ignored, which its children inherit, and Python then raises no
     KeyboardInterrupt (nor does a child die of it) where a user's Ctrl-C would."""
-    before = signal.getsignal(signal.SIGINT)
-    if before == signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
