@@ -126,7 +126,9 @@ def _prefill(
         acc = acc * alpha[:, None] + weigh_values(p, v, DOT_PRECISION, NATIVE)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    # Padding rows past q_len can see no key under a sliding window (l_i == 0); they are
+    # never stored, but 0/0 on them is avoided as in the decode kernel.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty),
