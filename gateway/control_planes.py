@@ -10,7 +10,8 @@ A plane is up until a call on it breaks, it refuses one as unavailable, or a pro
 it not serving (its gRPC health: NOT_SERVING without a compute plane or while draining,
 or no answer). A plane that is down gets no new calls while another is up, and is
 probed every PROBE_INTERVAL seconds until it serves again; every plane is probed every
-`control_resolve_interval` seconds.
+`control_resolve_interval` seconds. Going down is a WARNING once a plane has served,
+an INFO line while it is still starting.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class ControlPlane:
         self.mux = Multiplexer(self.open)
         self.in_flight = 0
         self.up = True  # until shown otherwise
+        # Shown ready once (health SERVING, or ModelInfo with a compute plane attached):
+        # until then "down" is a plane still starting (the planes start in any order, a
+        # compute plane loads), logged at INFO; after, it is a WARNING.
+        self.served = False
         metrics.control_in_flight.labels(control=address).set(0)
 
     def open(self) -> pb_grpc.ControlPlaneStub:
@@ -77,9 +82,12 @@ class ControlPlane:
         if up != self.up:
             if up:
                 log.info("control plane %s is up", self.address)
-            else:
+            elif self.served:
                 log.warning("control plane %s is down: %s", self.address, why)
+            else:
+                log.info("control plane %s is not serving yet: %s", self.address, why)
         self.up = up
+        self.served = self.served or up
 
     async def probe(self, timeout: float) -> None:
         """Up when its gRPC health is SERVING: a compute plane attached, not draining."""
@@ -102,6 +110,8 @@ class ControlPlane:
             raise
         if not info.compute_attached:
             self.set_up(False, "no compute plane attached, or draining")
+        else:
+            self.served = True
         return info
 
     async def close(self) -> None:

@@ -220,9 +220,23 @@ class Multiplexer:
                     if (route := routes.pop(e.request_id, None)) is not None:
                         route.queue.put_nowait((route.index, from_code(e.code, e.message)))
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED:
-                error = from_grpc(e)
-                log.warning("GenerateMany call to the control plane ended: %s", e.code().name)
+            if e.code() != grpc.StatusCode.CANCELLED and routes:
+                error = from_grpc(e)  # (logs the control plane's words as a WARNING)
+                log.warning(
+                    "GenerateMany call to the control plane ended: %s with %d requests running "
+                    "on it",
+                    e.code().name,
+                    len(routes),
+                )
+            elif e.code() != grpc.StatusCode.CANCELLED:
+                # An idle call ended (a control plane that stops ends its calls; a
+                # Ctrl-C of `serve` stops it beside this gateway): nothing lost, the
+                # next request opens a new call.
+                log.info(
+                    "GenerateMany call to the control plane ended: %s: %s (no request on it)",
+                    e.code().name,
+                    e.details(),
+                )
         except Exception:
             # A message that cannot be read: end the call, so that the control plane
             # stops its requests, and fail them here (503); the next request opens a new one.

@@ -194,7 +194,9 @@ class Router:
             s.moving.add(i)
             self._schedule_move(s)
             return
-        if resp.prompt_token_ids:
+        if resp.prompt_token_ids:  # an admission: the plane serves (its end is a WARNING)
+            if call.plane is not None:
+                call.plane.served = True
             if call.prompt_ids is not None:
                 return  # a re-submission's admission: the client has had the prompt's
             call.prompt_ids = list(resp.prompt_token_ids)

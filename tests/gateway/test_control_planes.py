@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -248,3 +249,53 @@ def test_tls_verifies_a_resolved_plane_by_its_name(tmp_path: Path) -> None:
                 await planes.close()
 
     run(go)
+
+
+def test_a_plane_still_starting_is_no_warning_and_one_that_served_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The planes start in any order: a gateway asked for /ready before the compute plane
+    attached logged 'control plane ... is down' as a WARNING at every `serve`. Until a
+    plane has been ready once, its not serving is an INFO line; once it has, going down
+    is a WARNING."""
+    address = ""
+
+    async def go() -> None:
+        nonlocal address
+        starting = FakeControlPlane(False)
+        async with serving(starting) as port:
+            address = f"127.0.0.1:{port}"
+            planes = ControlPlanes(GatewayConfig(control=address))
+            try:
+                info = await planes.info(timeout=1.0)  # /ready: 503
+                assert not info.compute_attached
+                await settled(planes, {str(port): False})
+                await planes.tick(every=True)  # still starting: no second line
+                starting.attached = True
+                await starting.serve(True)  # a compute plane attached
+                await planes.tick(every=False)
+                await settled(planes, {str(port): True})
+                await starting.serve(False)  # draining, after it served
+                await planes.tick(every=True)
+                await settled(planes, {str(port): False})
+            finally:
+                await planes.close()
+
+    with caplog.at_level(logging.INFO, logger="gateway.control_planes"):
+        run(go)
+    lines = [
+        (r.levelname, r.getMessage())
+        for r in caplog.records
+        if r.getMessage().startswith(f"control plane {address} is")
+    ]
+    assert lines == [
+        (
+            "INFO",
+            f"control plane {address} is not serving yet: no compute plane attached, or draining",
+        ),
+        ("INFO", f"control plane {address} is up"),
+        (
+            "WARNING",
+            f"control plane {address} is down: not serving (no compute plane attached, or draining)",
+        ),
+    ], lines

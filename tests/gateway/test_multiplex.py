@@ -199,9 +199,79 @@ def test_the_calls_own_log_lines_carry_no_requests_id() -> None:
     handler = Ids()
     log = logging.getLogger("gateway")
     log.addHandler(handler)
+    level = log.level
+    log.setLevel(logging.INFO)  # (an idle call's end is an INFO line)
     try:
         run(body)
     finally:
         log.removeHandler(handler)
+        log.setLevel(level)
     ended = [rid for message, rid in seen if "GenerateMany call" in message]
     assert ended == [None], seen
+
+
+class Unavailable(grpc.aio.AioRpcError):
+    """The status a control plane that stops ends its open GenerateMany calls with."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            "the control plane stopped",
+        )
+
+
+def test_an_idle_call_ended_by_the_control_plane_is_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`serve` stopped with Ctrl-C: the control plane ends the gateway's idle call before
+    the gateway has stopped (two WARNINGs at every clean stop). With no request on the
+    call nothing is lost: one INFO line, and the next request opens a new call."""
+
+    async def body(mux: Multiplexer, call: ScriptedCall) -> None:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        a = mux.start([CALL], q, 600)
+        await settle()
+        call.answer(a[0], "done", last=True)
+        await settle()
+        mux.cancel(a)
+        call.inbox.put_nowait(Unavailable())
+        await settle()
+        assert mux._call is None  # (the next start opens a new call)
+        assert [i[1].choices[0].text for i in drain(q)[:-1]] == ["done"]
+
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        run(body)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name.startswith("gateway")]
+    assert lines == [
+        (
+            "INFO",
+            "GenerateMany call to the control plane ended: UNAVAILABLE: the control plane "
+            "stopped (no request on it)",
+        )
+    ], lines
+
+
+def test_a_call_ended_under_running_requests_breaks_them_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The same end with two requests running on the call: each gets `Broken` (a 503 here;
+    a Router moves them on to another control plane) and a WARNING counts them."""
+
+    async def body(mux: Multiplexer, call: ScriptedCall) -> None:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        mux.start([CALL, CALL], q, 600)
+        await settle()
+        call.inbox.put_nowait(Unavailable())
+        await settle()
+        errors = [item[1] for item in drain(q)]
+        assert [(type(e).__name__, e.status) for e in errors] == [("Broken", 503)] * 2
+
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        run(body)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert (
+        "GenerateMany call to the control plane ended: UNAVAILABLE with 2 requests running on it"
+        in (warnings)
+    ), warnings
