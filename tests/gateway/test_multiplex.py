@@ -83,6 +83,31 @@ def drain(queue: asyncio.Queue[Any]) -> list[Any]:
     return items
 
 
+async def served(
+    mux: Multiplexer, call: ScriptedCall, q: asyncio.Queue[Any], text: str = ""
+) -> list[str]:
+    """One call started, answered to its end (`text`) and its start cancelled, as its HTTP
+    request ends: the GenerateMany call is idle again. Returns the start's ids."""
+    ids = mux.start([CALL], q, 600)
+    await settle()
+    call.answer(ids[0], text, last=True)
+    await settle()
+    mux.cancel(ids)
+    return ids
+
+
+class Unavailable(grpc.aio.AioRpcError):
+    """The status a control plane that stops ends its open GenerateMany calls with."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            None,  # type: ignore[arg-type]
+            None,  # type: ignore[arg-type]
+            "the control plane stopped",
+        )
+
+
 def test_a_reused_id_while_another_prompt_of_its_start_runs_keeps_both_apart() -> None:
     """A: two prompts; its first ends, its second runs. B, with A's X-Request-Id, starts
     then. A's end (its HTTP request's cancel) leaves B alone, and B's deadline holds."""
@@ -147,11 +172,7 @@ def test_an_id_is_the_clients_again_once_nothing_can_come_for_it(
 
     async def body(mux: Multiplexer, call: ScriptedCall) -> None:
         q: asyncio.Queue[Any] = asyncio.Queue()
-        a = mux.start([CALL], q, 600)
-        await settle()
-        call.answer(a[0], "", last=True)
-        await settle()
-        mux.cancel(a)
+        a = await served(mux, call, q)
         b = mux.start([CALL], q, 600)
         assert a == b == ["client-id"]
         mux.cancel(["client-id"])  # not the list `start` returned: not b's start's cancel
@@ -182,18 +203,9 @@ def test_the_calls_own_log_lines_carry_no_requests_id() -> None:
         def emit(self, record: logging.LogRecord) -> None:
             seen.append((record.getMessage(), REQUEST_ID.get()))
 
-    class Ended(grpc.aio.AioRpcError):
-        def __init__(self) -> None:
-            super().__init__(grpc.StatusCode.UNAVAILABLE, None, None, "stopped")  # type: ignore[arg-type]
-
     async def body(mux: Multiplexer, call: ScriptedCall) -> None:
-        q: asyncio.Queue[Any] = asyncio.Queue()
-        a = mux.start([CALL], q, 600)
-        await settle()
-        call.answer(a[0], "", last=True)
-        await settle()
-        mux.cancel(a)
-        call.inbox.put_nowait(Ended())  # the control plane stopped, long after
+        await served(mux, call, asyncio.Queue())
+        call.inbox.put_nowait(Unavailable())  # the control plane stopped, long after
         await settle()
 
     handler = Ids()
@@ -210,18 +222,6 @@ def test_the_calls_own_log_lines_carry_no_requests_id() -> None:
     assert ended == [None], seen
 
 
-class Unavailable(grpc.aio.AioRpcError):
-    """The status a control plane that stops ends its open GenerateMany calls with."""
-
-    def __init__(self) -> None:
-        super().__init__(
-            grpc.StatusCode.UNAVAILABLE,
-            None,  # type: ignore[arg-type]
-            None,  # type: ignore[arg-type]
-            "the control plane stopped",
-        )
-
-
 def test_an_idle_call_ended_by_the_control_plane_is_no_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -231,11 +231,7 @@ def test_an_idle_call_ended_by_the_control_plane_is_no_warning(
 
     async def body(mux: Multiplexer, call: ScriptedCall) -> None:
         q: asyncio.Queue[Any] = asyncio.Queue()
-        a = mux.start([CALL], q, 600)
-        await settle()
-        call.answer(a[0], "done", last=True)
-        await settle()
-        mux.cancel(a)
+        await served(mux, call, q, "done")
         call.inbox.put_nowait(Unavailable())
         await settle()
         assert mux._call is None  # (the next start opens a new call)
