@@ -220,22 +220,22 @@ class Multiplexer:
                     if (route := routes.pop(e.request_id, None)) is not None:
                         route.queue.put_nowait((route.index, from_code(e.code, e.message)))
         except grpc.aio.AioRpcError as e:
-            if e.code() != grpc.StatusCode.CANCELLED and routes:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and not routes:
+                # An idle call ended (a control plane that stops ends its calls, as when
+                # a Ctrl-C of `serve` stops it beside this gateway; the connection
+                # dropped): nothing lost, the next request opens a new call.
+                log.info(
+                    "GenerateMany call to the control plane ended: %s: %s (no request on it)",
+                    e.code().name,
+                    e.details(),
+                )
+            elif e.code() != grpc.StatusCode.CANCELLED:
                 error = from_grpc(e)  # (logs the control plane's words as a WARNING)
                 log.warning(
                     "GenerateMany call to the control plane ended: %s with %d requests running "
                     "on it",
                     e.code().name,
                     len(routes),
-                )
-            elif e.code() != grpc.StatusCode.CANCELLED:
-                # An idle call ended (a control plane that stops ends its calls; a
-                # Ctrl-C of `serve` stops it beside this gateway): nothing lost, the
-                # next request opens a new call.
-                log.info(
-                    "GenerateMany call to the control plane ended: %s: %s (no request on it)",
-                    e.code().name,
-                    e.details(),
                 )
         except Exception:
             # A message that cannot be read: end the call, so that the control plane
