@@ -175,7 +175,7 @@ async def _tokenize(link: ControlLink, body: TokenizeRequest) -> dict[str, Any]:
         raise error from e
     return {
         "count": resp.count,
-        "max_model_len": resp.max_model_len,
+        "max_model_len": resp.max_model_len or None,  # (null: no compute plane yet)
         "tokens": list(resp.token_ids),
         "token_strs": None,
     }
@@ -303,7 +303,9 @@ async def _model_object(link: ControlLink) -> dict[str, Any]:
         "object": "model",
         "created": STARTED,
         "owned_by": "hetero-paged-infer",
-        "max_model_len": info.max_model_len,
+        # null while no compute plane is attached: the context is the compute plane's
+        # (0 read as a limit by a client that budgets max_tokens from it)
+        "max_model_len": info.max_model_len or None,
     }
 
 

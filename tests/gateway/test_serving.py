@@ -586,6 +586,33 @@ def test_models_and_ready(client: TestClient) -> None:
         assert head.headers["content-length"] == get.headers["content-length"], path
 
 
+def test_max_model_len_is_null_before_a_compute_plane_attaches(
+    client: TestClient, link: FakeLink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The context length is the compute plane's: before one attaches the control plane
+    answers 0 for it, which /v1/models and /tokenize give as null (unknown), not as a
+    limit of 0 tokens (vLLM's model card and tokenize answer hold an int or null)."""
+    model = client.get("/v1/models").json()["data"][0]
+    assert model["max_model_len"] == 2048  # (the fake's attached plane)
+
+    async def unattached(timeout: float = 2.0) -> pb.ModelInfoResponse:
+        return pb.ModelInfoResponse(model_name=MODEL, compute_attached=False)
+
+    class Stub:
+        async def Tokenize(self, req: pb.TokenizeRequest, timeout: float) -> Any:
+            return pb.TokenizeResponse(token_ids=[5, 6], count=2)
+
+    monkeypatch.setattr(link, "info", unattached)
+    monkeypatch.setattr(link, "open", Stub)
+    assert client.get("/ready").status_code == 503
+    for path in ("/v1/models", f"/v1/models/{MODEL}"):
+        body = client.get(path).json()
+        model = body["data"][0] if "data" in body else body
+        assert model["id"] == MODEL and model["max_model_len"] is None, path
+    tokens = client.post("/tokenize", json={"model": MODEL, "prompt": "hi"}).json()
+    assert tokens == {"count": 2, "max_model_len": None, "tokens": [5, 6], "token_strs": None}
+
+
 def test_generation_config_defaults_fill_only_fields_left_out(
     client: TestClient, link: FakeLink, tmp_path: Path
 ) -> None:
